@@ -1,0 +1,93 @@
+"""Ahead-of-time compiles for a TPU generation, on a machine without a TPU.
+
+libtpu's compiler (Mosaic, then LLO) runs on the host: compiling against a
+topology description rejects what a real TPU would reject (illegal block shapes,
+scoped-VMEM overflow) and reports how much VMEM each kernel reserves. Run with
+JAX_PLATFORMS=cpu: the topology path then needs no TPU and no network.
+
+    report = compile_for_chip(fn, [ShapeDtypeStruct(...), ...], chip="v6e")
+    report.ok, report.vmem_bytes, report.error
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+
+import jax
+
+from . import chips
+
+# Mosaic's custom call records the VMEM it reserves as
+# "scoped_memory_configs":[{"memory_space":1,"offset":0,"size":N}, ...].
+_SCOPED_MEMORY = re.compile(r'"scoped_memory_configs":\s*(\[[^\]]*\])')
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+  """What libtpu said about one function compiled for one chip."""
+
+  chip: str
+  ok: bool
+  scoped_vmem_bytes: int | None = None  # largest scoped-VMEM limit a Mosaic kernel compiled under
+  num_kernels: int = 0               # Mosaic kernels in the compiled program
+  error: str | None = None           # first line of the compiler's error when not ok
+
+  def summary(self) -> str:
+    if not self.ok:
+      return f"{self.chip}: FAILED ({self.error})"
+    limit = "?" if self.scoped_vmem_bytes is None else f"{self.scoped_vmem_bytes / 2**20:.0f} MiB"
+    return f"{self.chip}: compiled, {self.num_kernels} Mosaic kernel(s), fits scoped VMEM {limit}"
+
+
+@functools.cache
+def topology_device(chip_name: str):
+  """The first device of the chip's AOT topology (needs libtpu, not a TPU)."""
+  from jax.experimental import topologies
+
+  chip = chips.get_chip(chip_name)
+  if chip.aot_topology is None:
+    raise ValueError(f"{chip.name} has no ahead-of-time topology in this libtpu")
+  return topologies.get_topology_desc(chip.aot_topology, "tpu").devices[0]
+
+
+def _on_device(spec, device):
+  from jax.sharding import SingleDeviceSharding
+
+  return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=SingleDeviceSharding(device))
+
+
+def scoped_vmem_per_kernel(hlo_text: str) -> list[int]:
+  """The scoped-VMEM limit (bytes) of each Mosaic custom call in compiled HLO text.
+
+  Mosaic refuses to compile a kernel whose buffers exceed this limit
+  (CompileTimeScopedVmemOom), so a successful compile proves the kernel fits it.
+  """
+  sizes = []
+  for line in hlo_text.splitlines():
+    if 'custom_call_target="tpu_custom_call"' not in line:
+      continue
+    match = _SCOPED_MEMORY.search(line.replace('\\"', '"'))
+    configs = json.loads(match.group(1)) if match else []
+    sizes.append(sum(int(c.get("size", 0)) for c in configs))
+  return sizes
+
+
+def compile_for_chip(fn, arg_specs, chip: str) -> CompileReport:
+  """Compiles `fn(*args)` for `chip` ahead of time and reports the outcome.
+
+  arg_specs: jax.ShapeDtypeStruct per positional argument (placed on the chip here).
+  A compile error is reported, not raised, so a matrix of shapes can be surveyed.
+  """
+  device = topology_device(chip)
+  specs = [_on_device(s, device) for s in arg_specs]
+  try:
+    compiled = jax.jit(fn).trace(*specs).lower().compile()
+  except Exception as e:  # the compiler's verdict is the result
+    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return CompileReport(chip=chip, ok=False, error=f"{type(e).__name__}: {message[:300]}")
+  per_kernel = scoped_vmem_per_kernel(compiled.as_text())
+  return CompileReport(chip=chip, ok=True, scoped_vmem_bytes=max(per_kernel, default=None),
+                       num_kernels=len(per_kernel))

@@ -1,0 +1,127 @@
+"""The TPU generations this collection targets: one table, imported everywhere.
+
+Kernels take a chip *name* as a static parameter and look it up here; they never
+ask the runtime which device they run on while tracing (that breaks ahead-of-time
+compiles and hides the chip from the cache key).
+
+Sources of the figures (per TensorCore as JAX sees one device):
+  * VMEM capacity, MXU width, HBM bandwidth, bf16 peak: jax 0.10.2
+    ``jax/_src/pallas/mosaic/tpu_info.py`` and Google's public TPU pages.
+  * Default scoped-VMEM limit (what Mosaic allows a kernel without a
+    ``vmem_limit_bytes`` override): measured with ahead-of-time compiles against
+    libtpu 0.0.42.1 for v5e / v6e / v5p (see tests/test_chips.py).
+  * Clock: the value the libtpu static cycle estimator uses.
+v7 (Ironwood) cannot be compiled for with libtpu 0.0.42 (no topology); its row
+holds public figures only and ``aot_topology`` is None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+MiB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One TPU generation, per TensorCore (one JAX device)."""
+
+  name: str                          # short name used everywhere: "v6e"
+  device_kinds: tuple[str, ...]      # jax `Device.device_kind` strings of this chip
+  vmem_bytes: int                    # physical VMEM per TensorCore
+  default_scoped_vmem_bytes: int     # Mosaic's per-kernel limit without an override
+  mxu_size: int                      # the MXU is mxu_size x mxu_size
+  clock_hz: float | None             # None where no public / compiler figure exists
+  bf16_flops_per_s: float
+  hbm_bytes_per_s: float
+  hbm_bytes: int
+  aot_topology: str | None           # name for jax.experimental.topologies, if libtpu knows it
+
+  @property
+  def max_vmem_limit_bytes(self) -> int:
+    """The largest `vmem_limit_bytes` we let a caller ask for.
+
+    Leaves 1/8 of physical VMEM to the compiler (internal scratch, spills).
+    """
+    return self.vmem_bytes - self.vmem_bytes // 8
+
+
+CHIPS: dict[str, Chip] = {
+    chip.name: chip
+    for chip in (
+        Chip(
+            name="v5e",
+            device_kinds=("TPU v5e", "TPU v5 lite"),
+            vmem_bytes=128 * MiB,
+            default_scoped_vmem_bytes=16 * MiB,
+            mxu_size=128,
+            clock_hz=1.5e9,
+            bf16_flops_per_s=197e12,
+            hbm_bytes_per_s=819e9,
+            hbm_bytes=16 * 1024 * MiB,
+            aot_topology="v5e:2x2",
+        ),
+        Chip(
+            name="v6e",
+            device_kinds=("TPU v6e", "TPU v6 lite"),
+            vmem_bytes=128 * MiB,
+            default_scoped_vmem_bytes=32 * MiB,
+            mxu_size=256,
+            clock_hz=1.75e9,
+            bf16_flops_per_s=918e12,
+            hbm_bytes_per_s=1640e9,
+            hbm_bytes=32 * 1024 * MiB,
+            aot_topology="v6e:2x2",
+        ),
+        Chip(
+            name="v5p",
+            device_kinds=("TPU v5p", "TPU v5"),
+            vmem_bytes=64 * MiB,
+            default_scoped_vmem_bytes=16 * MiB,
+            mxu_size=128,
+            clock_hz=1.75e9,
+            bf16_flops_per_s=459e12,
+            hbm_bytes_per_s=2765e9,
+            hbm_bytes=95 * 1024 * MiB,
+            aot_topology="v5p:2x2x1",
+        ),
+        Chip(
+            # Ironwood: 2 TensorCores per chip; figures below are per chip as
+            # published (2.31 PFLOP/s bf16, 7.4 TB/s, 192 GiB), VMEM per core.
+            name="v7",
+            device_kinds=("TPU7x", "TPU7"),
+            vmem_bytes=64 * MiB,
+            default_scoped_vmem_bytes=32 * MiB,
+            mxu_size=256,
+            clock_hz=None,
+            bf16_flops_per_s=2.31e15,
+            hbm_bytes_per_s=7.4e12,
+            hbm_bytes=192 * 1024 * MiB,
+            aot_topology=None,
+        ),
+    )
+}
+
+DEFAULT_CHIP = "v6e"
+
+
+def get_chip(name: str) -> Chip:
+  """The chip called `name` ("v5e", "v6e", "v5p", "v7"), or a ValueError listing the known ones."""
+  try:
+    return CHIPS[name]
+  except KeyError:
+    raise ValueError(
+        f"unknown TPU chip {name!r}; known chips: {', '.join(CHIPS)}") from None
+
+
+def chip_from_device_kind(device_kind: str) -> Chip:
+  """Maps a jax `Device.device_kind` (e.g. "TPU v6 lite") to its Chip.
+
+  Called by the torch shim *before* tracing, once per device, never inside a kernel.
+  """
+  for chip in CHIPS.values():
+    if device_kind in chip.device_kinds:
+      return chip
+  raise ValueError(
+      f"TPU device kind {device_kind!r} is not supported; supported: "
+      + ", ".join(k for c in CHIPS.values() for k in c.device_kinds))

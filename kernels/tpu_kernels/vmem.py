@@ -1,0 +1,61 @@
+"""VMEM budgets and tile arithmetic shared by every kernel.
+
+A kernel's tiles are chosen so that everything it keeps in VMEM at once (the
+double-buffered input/output blocks plus its f32 temporaries) fits a *budget*: a
+fraction of the scoped-VMEM limit the kernel is compiled with. The rest is
+headroom for Mosaic's internal scratch and register spills, whose size we cannot
+see before compiling. `vmem_limit_bytes`, when given, raises (or lowers) that
+limit and is passed to Mosaic as is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .chips import Chip, MiB  # noqa: F401  (MiB re-exported for tile arithmetic)
+
+# Share of the scoped-VMEM limit a kernel plans to fill with its own buffers.
+BUDGET_FRACTION = 0.5
+
+
+def resolve_vmem_limit(chip: Chip, vmem_limit_bytes: int | None) -> int:
+  """The scoped-VMEM limit a kernel compiles with: the caller's, or the chip default.
+
+  Raises ValueError for a limit that is not positive or beyond what the chip can give.
+  """
+  if vmem_limit_bytes is None:
+    return chip.default_scoped_vmem_bytes
+  if not isinstance(vmem_limit_bytes, (int, np.integer)) or vmem_limit_bytes <= 0:
+    raise ValueError(f"vmem_limit_bytes must be a positive int, got {vmem_limit_bytes!r}")
+  if vmem_limit_bytes > chip.max_vmem_limit_bytes:
+    raise ValueError(
+        f"vmem_limit_bytes={vmem_limit_bytes} exceeds what {chip.name} allows "
+        f"({chip.max_vmem_limit_bytes} of {chip.vmem_bytes} bytes of VMEM)")
+  return int(vmem_limit_bytes)
+
+
+def vmem_budget(chip: Chip, vmem_limit_bytes: int | None) -> int:
+  """Bytes a kernel may plan for its own buffers under the resolved limit."""
+  return int(resolve_vmem_limit(chip, vmem_limit_bytes) * BUDGET_FRACTION)
+
+
+def sublane_multiple(dtype) -> int:
+  """Row granularity of a VMEM tile for `dtype`: 8 rows of 32 bits, packed for narrower types.
+
+  f32 -> 8, bf16/f16 -> 16, int8/fp8 -> 32.
+  """
+  itemsize = np.dtype(dtype).itemsize
+  return 8 * max(1, 4 // itemsize)
+
+
+def lane_padded(n: int) -> int:
+  """`n` rounded up to whole 128-wide lanes: how much VMEM a row of n elements occupies."""
+  return -(-n // 128) * 128
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def round_down(n: int, multiple: int) -> int:
+  return (n // multiple) * multiple
