@@ -27,7 +27,7 @@ class Chip:
   """One TPU generation, per TensorCore (one JAX device)."""
 
   name: str                          # short name used everywhere: "v6e"
-  device_kinds: tuple[str, ...]      # jax `Device.device_kind` strings of this chip
+  device_kinds: tuple[str, ...]      # jax `Device.device_kind` / torch.tpu.get_device_name() strings
   vmem_bytes: int                    # physical VMEM per TensorCore
   default_scoped_vmem_bytes: int     # Mosaic's per-kernel limit without an override
   mxu_size: int                      # the MXU is mxu_size x mxu_size
@@ -89,7 +89,7 @@ CHIPS: dict[str, Chip] = {
             # Ironwood: 2 TensorCores per chip; figures below are per chip as
             # published (2.31 PFLOP/s bf16, 7.4 TB/s, 192 GiB), VMEM per core.
             name="v7",
-            device_kinds=("TPU7x", "TPU7"),
+            device_kinds=("TPU7x", "TPU7", "TPU v7"),
             vmem_bytes=64 * MiB,
             default_scoped_vmem_bytes=32 * MiB,
             mxu_size=256,

@@ -1,0 +1,73 @@
+"""rms-norm-tpu: RMSNorm as Pallas TPU kernels, for PyTorch tensors on TPU (TorchTPU) or CPU.
+
+    rms_norm(x, weight, eps=1e-6, *, offset=0.0) -> out
+    fused_add_rms_norm(x, residual, weight, eps=1e-6, *, offset=0.0) -> (out, residual)
+    layers.RMSNorm, layers.GemmaRMSNorm        (for kernels.kernelize)
+
+x: (..., hidden) float32 / bfloat16 / float16, any leading dimensions, any hidden
+size; weight: (hidden,). out has dtype promote(x.dtype, weight.dtype); math is f32.
+`offset` is added to the weight (1.0 gives Gemma's `x * (1 + w)`). On "tpu" tensors
+the compiled kernel runs through TorchTPU; on "cpu" tensors the same kernel runs in
+Pallas interpret mode (slow; for development and tests). jax must be installed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _shim, layers
+from ._custom_ops import fused_add_rms_norm_op, rms_norm_op
+from ._shim import validation
+
+__all__ = ["fused_add_rms_norm", "layers", "rms_norm"]
+
+
+def _check_common(op: str, x, weight, eps, offset) -> tuple[float, float]:
+  validation.check_tensor(op, "x", x)
+  validation.check_tensor(op, "weight", weight)
+  validation.check_float_dtype(op, "x", x)
+  validation.check_float_dtype(op, "weight", weight)
+  validation.check_min_ndim(op, "x", x, 1)
+  if x.shape[-1] == 0:
+    raise ValueError(f"{op}: x must have a non-empty last (hidden) dimension, got shape "
+                     f"{tuple(x.shape)}")
+  validation.check_shape(op, "weight", weight, (x.shape[-1],), "x.shape[-1],")
+  _shim.device_type_of(op, {"x": x, "weight": weight})
+  eps = validation.check_finite_number(op, "eps", eps, minimum=0.0)
+  offset = validation.check_finite_number(op, "offset", offset)
+  return eps, offset
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+             offset: float = 0.0) -> torch.Tensor:
+  """RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * (offset + weight).
+
+  Args:
+    x: (..., hidden), float32 / bfloat16 / float16, on "tpu" or "cpu".
+    weight: (hidden,), same device, float32 / bfloat16 / float16.
+    eps: finite, >= 0.
+    offset: added to weight (0 for Llama/Qwen, 1 for Gemma).
+  Returns:
+    (..., hidden) in promote_types(x.dtype, weight.dtype). Differentiable in x and weight.
+  """
+  eps, offset = _check_common("rms_norm", x, weight, eps, offset)
+  return rms_norm_op(x.contiguous(), weight.contiguous(), eps, offset)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float = 1e-6, *, offset: float = 0.0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+  """(rms_norm(x + residual), x + residual) in one pass, for pre-norm residual blocks.
+
+  residual must have x's shape and dtype; the sum is rounded to that dtype before it
+  is normalised, exactly as the unfused `residual = x + residual; rms_norm(residual)`.
+  Returns (out, new_residual); differentiable in x, residual and weight.
+  """
+  op = "fused_add_rms_norm"
+  eps, offset = _check_common(op, x, weight, eps, offset)
+  validation.check_tensor(op, "residual", residual)
+  validation.check_shape(op, "residual", residual, tuple(x.shape), "the shape of x")
+  validation.check_same_dtype(op, "residual", residual, "x", x)
+  _shim.device_type_of(op, {"x": x, "residual": residual, "weight": weight})
+  return fused_add_rms_norm_op(x.contiguous(), residual.contiguous(), weight.contiguous(),
+                               eps, offset)
