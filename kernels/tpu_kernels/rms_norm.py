@@ -256,6 +256,12 @@ def rms_norm_forward(x, weight, residual=None, *, config: RmsNormConfig = RmsNor
     out = jnp.zeros(x.shape, out_dtype)
     return (out, jnp.zeros_like(x)) if has_residual else out
 
+  if has_residual and _kernel_dtype(x.dtype) != x.dtype:
+    # f16: the kernel would see the sum in f32, unrounded. Round it to f16 here (as the
+    # unfused model does) and normalise the rounded sum with the plain kernel.
+    residual_out = (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
+    return rms_norm_forward(residual_out, weight, config=config), residual_out
+
   kx = _kernel_dtype(x.dtype)
   tiling = forward_tiling(rows, hidden, kx, _kernel_dtype(out_dtype), has_residual, config)
   row_block = pl.BlockSpec((tiling.block_rows, hidden), lambda i: (i, 0))

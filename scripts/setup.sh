@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# README command 1: set everything up from nothing, build every kernel repo, run the main job.
+#
+#   .venv/          Python 3.11, requirements.txt (jax 0.10.2, libtpu 0.0.42.1, torch 2.13.0 CPU, ...)
+#   .venv-jax012/   Python 3.12, requirements-jax012.txt (jax 0.12.0.1, libtpu 0.0.50.1): the
+#                   stack TorchTPU needs; the JAX-only tests run there too (scripts/test.sh)
+#
+# Only `pip install` reaches the network (the package index). Everything after it runs with
+# JAX_PLATFORMS=cpu and, where this user may, with the network cut (`unshare -n`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+
+make_venv() {  # make_venv DIR PYTHON_VERSION LOCKFILE
+  local dir=$1 version=$2 lock=$3 python stamp
+  stamp="$(sha256sum "$lock" | cut -c1-16)-$version"
+  if [[ -f "$dir/.installed" && "$(cat "$dir/.installed")" == "$stamp" ]]; then
+    echo "== $dir is up to date ($lock)"
+    return
+  fi
+  python=$(find_python "$version")
+  echo "== creating $dir with $python from $lock"
+  rm -rf "$dir"
+  "$python" -m venv "$dir"
+  "$dir/bin/python" -m pip install --quiet --disable-pip-version-check --no-input -r "$lock"
+  "$dir/bin/python" -m pip check
+  echo "$stamp" > "$dir/.installed"
+}
+
+make_venv .venv 3.11 requirements.txt
+make_venv .venv-jax012 3.12 requirements-jax012.txt
+
+echo "== building the kernel repos"
+offline .venv/bin/python scripts/build.py
+echo "== main job"
+offline .venv/bin/python scripts/demo.py

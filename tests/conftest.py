@@ -1,0 +1,19 @@
+"""Shared test set-up. Imports neither torch nor jax: tests/jax must also run without torch."""
+
+import os
+
+# Before anything imports jax or torch: no TPU here, and nothing may reach the network.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Interpret mode compiles every new shape (0.2-1 s), so example counts set the run time.
+_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow],
+               print_blob=True)
+settings.register_profile("ci", max_examples=12, derandomize=True, **_COMMON)
+settings.register_profile("dev", max_examples=6, **_COMMON)
+settings.register_profile("thorough", max_examples=150, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -1,0 +1,84 @@
+"""Every default RMSNorm tiling compiles ahead of time for v5e and v6e (libtpu, no TPU).
+
+The compiler is the real TPU compiler: it rejects illegal block shapes and
+scoped-VMEM overflow, so a pass here means the kernel would load on the chip.
+Shapes: hidden sizes of Llama, Qwen3, Gemma, gpt-oss, Mistral and friends (and 1000,
+not a multiple of 128), rows 1 to 65536.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tpu_kernels import aot, chips, rms_norm as K
+
+pytestmark = pytest.mark.aot
+
+# hidden: Qwen2.5-0.5B 896, odd 1000, Qwen3-1.7B/Llama-3.2-1B 2048, gpt-oss 2880,
+# Llama-8B/Qwen3-8B 4096, Qwen3-14B 5120, Llama-70B 8192, Llama-405B 16384.
+HIDDEN = [896, 1000, 2048, 2880, 4096, 5120, 8192, 16384]
+ROWS = [1, 7, 4096, 65536]
+AOT_CHIPS = ["v5e", "v6e"]
+S = jax.ShapeDtypeStruct
+
+
+def _compile_all(chip, rows, hidden, dtype):
+  """Forward, backward, fused forward and fused backward: the four kernels."""
+  x, w = S((rows, hidden), dtype), S((hidden,), dtype)
+  kw = dict(chip=chip, offset=1.0)
+  plain = functools.partial(K.rms_norm, **kw)
+  fused = functools.partial(K.fused_add_rms_norm, **kw)
+  programs = {
+      "fwd": (plain, [x, w]),
+      "bwd": (lambda a, b, g: jax.vjp(plain, a, b)[1](g), [x, w, x]),
+      "fused_fwd": (fused, [x, x, w]),
+      "fused_bwd": (lambda a, r, b, g, gr: jax.vjp(fused, a, r, b)[1]((g, gr)),
+                    [x, x, w, x, x]),
+  }
+  return {name: aot.compile_for_chip(fn, specs, chip) for name, (fn, specs) in programs.items()}
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_model_shapes_compile_bf16(chip, hidden):
+  for rows in ROWS:
+    for name, report in _compile_all(chip, rows, hidden, jnp.bfloat16).items():
+      assert report.ok, f"{name} rows={rows}: {report.error}"
+      assert report.num_kernels >= 1
+      assert report.scoped_vmem_bytes <= chips.get_chip(chip).max_vmem_limit_bytes
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+@pytest.mark.parametrize("hidden", [1000, 4096, 16384])
+def test_other_dtypes_compile(chip, dtype, hidden):
+  for rows in (7, 8192):
+    for name, report in _compile_all(chip, rows, hidden, dtype).items():
+      assert report.ok, f"{name} rows={rows}: {report.error}"
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "v5p"])
+def test_default_scoped_vmem_limit_matches_chip_table(chip):
+  """A kernel compiled without an override runs under the chip's default limit."""
+  fn = functools.partial(K.rms_norm, chip=chip)
+  report = aot.compile_for_chip(fn, [S((64, 512), jnp.float32), S((512,), jnp.float32)], chip)
+  assert report.ok, report.error
+  assert report.scoped_vmem_bytes == chips.get_chip(chip).default_scoped_vmem_bytes
+
+
+def test_compiler_rejects_vmem_overflow():
+  """The AOT check has teeth: blocks forced past the limit fail with a VMEM error."""
+  fn = functools.partial(K.rms_norm, chip="v5e", block_rows=1024,
+                         vmem_limit_bytes=4 * 2**20)
+  report = aot.compile_for_chip(fn, [S((8192, 4096), jnp.float32), S((4096,), jnp.float32)],
+                                "v5e")
+  assert not report.ok
+  assert "vmem" in report.error.lower() or "RESOURCE_EXHAUSTED" in report.error, report.error
+
+
+def test_explicit_vmem_limit_reaches_the_compiler():
+  fn = functools.partial(K.rms_norm, chip="v6e", vmem_limit_bytes=48 * 2**20)
+  report = aot.compile_for_chip(fn, [S((64, 512), jnp.float32), S((512,), jnp.float32)], "v6e")
+  assert report.ok and report.scoped_vmem_bytes == 48 * 2**20
