@@ -31,7 +31,7 @@ def _check_common(op: str, x, weight, eps, offset) -> tuple[float, float]:
   if x.shape[-1] == 0:
     raise ValueError(f"{op}: x must have a non-empty last (hidden) dimension, got shape "
                      f"{tuple(x.shape)}")
-  validation.check_shape(op, "weight", weight, (x.shape[-1],), "x.shape[-1],")
+  validation.check_shape(op, "weight", weight, (x.shape[-1],), "the last dimension of x")
   _shim.device_type_of(op, {"x": x, "weight": weight})
   eps = validation.check_finite_number(op, "eps", eps, minimum=0.0)
   offset = validation.check_finite_number(op, "offset", offset)

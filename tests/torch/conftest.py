@@ -1,0 +1,56 @@
+"""Torch-level fixtures: the kernel repos are built fresh into a temp dir and loaded with
+the real `kernels` loader, exactly as a user gets them (`get_kernel` via LOCAL_KERNELS)."""
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def manifest():
+  with open(ROOT / "build.toml", "rb") as f:
+    return tomllib.load(f)
+
+
+@pytest.fixture(scope="session")
+def dist_dir(tmp_path_factory):
+  out = tmp_path_factory.mktemp("dist")
+  subprocess.run([sys.executable, str(ROOT / "scripts" / "build.py"), "--out", str(out)],
+                 check=True, capture_output=True)
+  return out
+
+
+@pytest.fixture(scope="session")
+def repo_id(manifest):
+  def make(name):
+    return f"{manifest['collection']['hub-org']}/{name}"
+  return make
+
+
+@pytest.fixture(scope="session")
+def local_kernels_env(dist_dir, manifest, repo_id):
+  """LOCAL_KERNELS pointing every ready kernel's repo id at its build."""
+  entries = [f"{repo_id(name)}={dist_dir / name}" for name, k in manifest["kernel"].items()
+             if k["status"] == "ready"]
+  os.environ["LOCAL_KERNELS"] = ":".join(entries)
+  return os.environ["LOCAL_KERNELS"]
+
+
+@pytest.fixture(scope="session")
+def rms(local_kernels_env, repo_id):
+  """The rms-norm-tpu kernel, loaded as a user would: get_kernel(repo, version=1)."""
+  from kernels import get_kernel
+
+  return get_kernel(repo_id("rms-norm-tpu"), version=1)
+
+
+@pytest.fixture(scope="session")
+def rms_ops(rms):
+  """The custom ops of the loaded rms-norm-tpu build (for opcheck)."""
+  return sys.modules[f"{rms.__name__}._custom_ops"]
