@@ -30,3 +30,7 @@ offline() {  # offline CMD...: run CMD with no network if this user may cut it, 
     "$@"
   fi
 }
+
+without_libtpu_noise() {  # run CMD, dropping libtpu's start-up warnings about the absent TPU
+  "$@" 2> >(grep -v -E "TPU accelerator type|TPU worker hostnames|Logging before InitGoogle|Source Location Trace|libtpu_init_utils|^=== " >&2)
+}

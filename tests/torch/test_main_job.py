@@ -1,0 +1,19 @@
+"""The main job (README command 1 ends with it) runs end to end and says what it proved."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_demo_runs(tmp_path):
+  result = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--dist",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  out = result.stdout
+  assert "MATCH" in out and "MISMATCH" not in out
+  for chip in ("v5e", "v6e", "v5p"):
+    assert f"{chip}: compiled" in out
+  assert "FAILED" not in out
+  assert (tmp_path / "rms-norm-tpu" / "build" / "torch-cpu" / "metadata.json").is_file()
