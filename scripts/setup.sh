@@ -22,7 +22,9 @@ make_venv() {  # make_venv DIR PYTHON_VERSION LOCKFILE
   echo "== creating $dir with $python from $lock"
   rm -rf "$dir"
   "$python" -m venv "$dir"
-  "$dir/bin/python" -m pip install --quiet --disable-pip-version-check --no-input -r "$lock"
+  # (grep drops pip's warnings about this machine's local index mirrors lacking a package)
+  "$dir/bin/python" -m pip install --quiet --disable-pip-version-check --no-input -r "$lock" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   "$dir/bin/python" -m pip check
   echo "$stamp" > "$dir/.installed"
 }

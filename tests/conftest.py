@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 # Interpret mode compiles every new shape (0.2-1 s), so example counts set the run time.
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow],
                print_blob=True)
-settings.register_profile("ci", max_examples=12, derandomize=True, **_COMMON)
+settings.register_profile("ci", max_examples=25, derandomize=True, **_COMMON)
 settings.register_profile("dev", max_examples=6, **_COMMON)
 settings.register_profile("thorough", max_examples=150, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -23,6 +23,10 @@ from . import chips
 # Mosaic's custom call records the VMEM it reserves as
 # "scoped_memory_configs":[{"memory_space":1,"offset":0,"size":N}, ...].
 _SCOPED_MEMORY = re.compile(r'"scoped_memory_configs":\s*(\[[^\]]*\])')
+# With LIBTPU_INIT_ARGS=--xla_jf_dump_static_llo_profile_to=DIR set before jax is imported,
+# every op of the compiled program carries the static estimator's "estimated_cycles":"N".
+_ESTIMATED_CYCLES = re.compile(r'"estimated_cycles":"?(\d+)')
+STATIC_PROFILE_FLAG = "--xla_jf_dump_static_llo_profile_to"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +37,7 @@ class CompileReport:
   ok: bool
   scoped_vmem_bytes: int | None = None  # largest scoped-VMEM limit a Mosaic kernel compiled under
   num_kernels: int = 0               # Mosaic kernels in the compiled program
+  estimated_cycles: int | None = None  # static estimate of the whole program (flag set)
   error: str | None = None           # first line of the compiler's error when not ok
 
   def summary(self) -> str:
@@ -75,6 +80,16 @@ def scoped_vmem_per_kernel(hlo_text: str) -> list[int]:
   return sizes
 
 
+def estimated_cycles(hlo_text: str) -> int | None:
+  """Sum of the static cycle estimates of all ops in compiled HLO text (None if absent).
+
+  Ops run one after another, so the sum is the program's estimate. Input fusions put a
+  Mosaic kernel inside a fusion; the estimate then sits on the fusion, counted once.
+  """
+  found = [int(m.group(1)) for m in _ESTIMATED_CYCLES.finditer(hlo_text.replace('\\"', '"'))]
+  return sum(found) if found else None
+
+
 def compile_for_chip(fn, arg_specs, chip: str) -> CompileReport:
   """Compiles `fn(*args)` for `chip` ahead of time and reports the outcome.
 
@@ -88,6 +103,7 @@ def compile_for_chip(fn, arg_specs, chip: str) -> CompileReport:
   except Exception as e:  # the compiler's verdict is the result
     message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return CompileReport(chip=chip, ok=False, error=f"{type(e).__name__}: {message[:300]}")
-  per_kernel = scoped_vmem_per_kernel(compiled.as_text())
+  text = compiled.as_text()
+  per_kernel = scoped_vmem_per_kernel(text)
   return CompileReport(chip=chip, ok=True, scoped_vmem_bytes=max(per_kernel, default=None),
-                       num_kernels=len(per_kernel))
+                       num_kernels=len(per_kernel), estimated_cycles=estimated_cycles(text))

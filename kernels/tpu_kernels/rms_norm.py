@@ -160,9 +160,11 @@ def backward_tiling(rows, hidden, x_dtype, grad_dtype, has_residual_grad, config
                  dtypes=(x_dtype, grad_dtype), config=config)
 
 
-def _compiler_params(tiling: Tiling):
+def _compiler_params(tiling: Tiling, num_operands: int, weight_index: int):
+  fusion = [i == weight_index for i in range(num_operands)]
   return pltpu.CompilerParams(dimension_semantics=("parallel",),
-                              vmem_limit_bytes=tiling.vmem_limit_bytes)
+                              vmem_limit_bytes=tiling.vmem_limit_bytes,
+                              allow_input_fusion=fusion)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -283,7 +285,7 @@ def rms_norm_forward(x, weight, residual=None, *, config: RmsNormConfig = RmsNor
       in_specs=in_specs,
       out_specs=[row_block] * len(out_shape),
       out_shape=out_shape,
-      compiler_params=_compiler_params(tiling),
+      compiler_params=_compiler_params(tiling, len(operands), len(operands) - 1),
       interpret=config.interpret,
       name="rms_norm_fwd_residual" if has_residual else "rms_norm_fwd",
   )(*[_to_kernel(a) for a in operands])
@@ -339,7 +341,7 @@ def rms_norm_backward(x, weight, grad_out, grad_residual=None, *,
       out_specs=[row_block, pl.BlockSpec((None, 1, hidden), lambda i: (i, 0, 0))],
       out_shape=[jax.ShapeDtypeStruct((rows, hidden), _kernel_dtype(x.dtype)),
                  jax.ShapeDtypeStruct((num_blocks, 1, hidden), jnp.float32)],
-      compiler_params=_compiler_params(tiling),
+      compiler_params=_compiler_params(tiling, len(operands), 1),
       interpret=config.interpret,
       name="rms_norm_bwd_residual" if has_residual_grad else "rms_norm_bwd",
   )(*[_to_kernel(a) for a in operands])

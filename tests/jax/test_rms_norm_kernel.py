@@ -211,3 +211,21 @@ def test_explicit_vmem_limit_is_respected():
   with pytest.raises(ValueError, match="needs .* bytes of VMEM"):
     K.forward_tiling(64, 1 << 20, jnp.float32, jnp.float32, False,
                      K.RmsNormConfig(chip="v6e", vmem_limit_bytes=4 * vmem.MiB))
+
+
+@pytest.mark.parametrize("hidden", [2880, 5120, 8192, 16384])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_widths(hidden, dtype):
+  """Real hidden sizes (gpt-oss, Qwen3-14B, Llama-70B, Llama-405B), a few rows, fwd and bwd."""
+  p = dict(shape=(3, hidden), dtype=dtype, weight_dtype=dtype, block_rows=None, offset=0.0,
+           eps=1e-6, seed=hidden)
+  x, residual, w = _arrays(p, "x", "residual", "weight")
+  (out, residual_out), vjp = jax.vjp(
+      lambda a, r, b: K.fused_add_rms_norm(a, r, b, interpret=True), x, residual, w)
+  s = ref.residual_sum(x, residual, dtype)
+  ref.assert_close(out, ref.rms_norm(s, w, 1e-6), ref.TOLERANCE[dtype], "out")
+  g = jnp.asarray(np.random.default_rng(1).standard_normal((3, hidden)), x.dtype)
+  dx, _, dw = vjp((g, jnp.zeros_like(g)))
+  dx_ref, dw_ref, dx_scale, dw_scale = ref.rms_norm_grads(s, w, g, 1e-6)
+  ref.assert_close(dx, dx_ref, ref.GRAD_TOLERANCE[dtype], "dx", dx_scale)
+  ref.assert_close(dw, dw_ref, ref.GRAD_TOLERANCE[dtype], "dweight", dw_scale)
