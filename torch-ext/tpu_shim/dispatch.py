@@ -86,10 +86,9 @@ class JaxKernel:
 
   @functools.cached_property
   def _tpu_op(self):
-    from torch.tpu.pallas import jax_op  # TorchTPU, only ever imported on the TPU path
+    from .registry import jax_op_once
 
-    namespace, name = self.qualname.split("::")
-    return jax_op(f"{namespace}::{name}_tpu_jax", self.fn)
+    return jax_op_once(f"{self.qualname}_tpu_jax", self.fn)
 
   def __call__(self, tensors: dict[str, torch.Tensor], **statics):
     """Runs the function; `tensors` in the function's parameter order, by name."""
