@@ -71,12 +71,12 @@ def add_op_namespace_prefix(op_name: str) -> str:
 
 
 def _kernel_build_toml(hub_name: str, kernel: dict, collection: dict) -> str:
-  backends = ", ".join(f'"{b}"' for b in collection["backends"])
+  backends = ", ".join(f'"{b}"' for b in kernel["backends"])
   return f'''[general]
 name = "{hub_name}"
 version = {kernel["version"]}
 edition = {BUILD_EDITION}
-license = "{kernel.get("license", collection["license"])}"
+license = "{kernel["license"]}"
 backends = [{backends}]
 
 [general.hub]
@@ -87,13 +87,12 @@ branch = "v{kernel["version"]}"
 '''
 
 
-def _metadata(hub_name: str, kernel: dict, collection: dict, namespace: str,
-              backend: str) -> dict:
+def _metadata(hub_name: str, kernel: dict, namespace: str, backend: str) -> dict:
   return {
       "id": f"{namespace}_{backend}",   # the module name kernels imports the variant as
       "name": hub_name,
       "version": kernel["version"],
-      "license": kernel.get("license", collection["license"]),
+      "license": kernel["license"],
       # jax is needed but is not on kernels' allow-list of python-depends; the card says so.
       "python-depends": [],
       "backend": {"type": backend},
@@ -125,10 +124,10 @@ def build_kernel(hub_name: str, manifest: dict, out_dir: Path) -> Path:
   repo.mkdir(parents=True)
 
   namespace = _assemble_package(hub_name, kernel, collection, repo / "torch-ext" / package)
-  for backend in collection["backends"]:
+  for backend in kernel["backends"]:
     variant = repo / "build" / f"torch-{backend}"
     shutil.copytree(repo / "torch-ext" / package, variant)
-    metadata = _metadata(hub_name, kernel, collection, namespace, backend)
+    metadata = _metadata(hub_name, kernel, namespace, backend)
     (variant / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
 
   (repo / "build.toml").write_text(_kernel_build_toml(hub_name, kernel, collection))

@@ -16,9 +16,10 @@ from tpu_kernels import aot, chips, rms_norm as K
 
 pytestmark = pytest.mark.aot
 
-# hidden: Qwen2.5-0.5B 896, odd 1000, Qwen3-1.7B/Llama-3.2-1B 2048, gpt-oss 2880,
-# Llama-8B/Qwen3-8B 4096, Qwen3-14B 5120, Llama-70B 8192, Llama-405B 16384.
-HIDDEN = [896, 1000, 2048, 2880, 4096, 5120, 8192, 16384]
+# hidden: Qwen2.5-0.5B 896, odd 1000, Qwen3-1.7B/Llama-3.2-1B/Qwen3-30B-A3B 2048,
+# Gemma-2-2B 2304, gpt-oss 2880, Gemma-7B 3072, Llama-8B/Qwen3-8B 4096, Qwen3-14B 5120,
+# Gemma-3-27B 5376, Llama-70B 8192, Llama-405B 16384.
+HIDDEN = [896, 1000, 2048, 2304, 2880, 3072, 4096, 5120, 5376, 8192, 16384]
 ROWS = [1, 7, 4096, 65536]
 AOT_CHIPS = ["v5e", "v6e"]
 S = jax.ShapeDtypeStruct

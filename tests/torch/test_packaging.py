@@ -27,6 +27,7 @@ def test_manifest_lists_the_collection(manifest):
   assert manifest["collection"]["hub-org"]
   for name, kernel in manifest["kernel"].items():
     assert isinstance(kernel["version"], int) and kernel["version"] >= 1, name
+    assert kernel["license"] and set(kernel["backends"]) <= {"tpu", "cpu"}, name
     for module in kernel["kernel-modules"] if kernel["status"] == "ready" else []:
       assert (ROOT / manifest["collection"]["kernel-sources"] / f"{module}.py").is_file()
 
