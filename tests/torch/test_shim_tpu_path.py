@@ -48,9 +48,8 @@ def fake_torch_tpu(monkeypatch, rms):
 def test_tpu_branch_calls_jax_op_with_chip_and_statics(rms, fake_torch_tpu):
   calls, dispatch = fake_torch_tpu
   ops = sys.modules[f"{rms.__name__}._custom_ops"]
-  kernel = dispatch.JaxKernel(ops._forward.qualname + "_probe",
-                              importlib.import_module(f"{rms.__name__}._jax_functions").rms_norm_forward,
-                              cpu_chip="v6e")
+  kernel = dispatch.JaxKernel(ops._forward.qualname + "_probe", f"{rms.__name__}._jax_functions",
+                              "rms_norm_forward", cpu_chip="v6e")
   x, w = torch.randn(4, 128), torch.randn(128)
   for _ in range(2):
     kernel({"x": x, "weight": w}, eps=1e-5, offset=1.0)

@@ -21,28 +21,15 @@ from ._ops import add_op_namespace_prefix
 from .tpu_kernels.chips import DEFAULT_CHIP
 
 
-class _LazyJaxKernel:
-  """Imports `_jax_functions` (and so jax) only when an op first runs."""
-
-  def __init__(self, qualname: str, function_name: str):
-    self.qualname = qualname
-    self.function_name = function_name
-    self._kernel = None
-
-  def __call__(self, tensors, **statics):
-    if self._kernel is None:
-      from . import _jax_functions
-      self._kernel = _shim.JaxKernel(self.qualname, getattr(_jax_functions, self.function_name),
-                                     cpu_chip=DEFAULT_CHIP)
-    return self._kernel(tensors, **statics)
+def _jax_kernel(op_name: str, function: str) -> _shim.JaxKernel:
+  return _shim.JaxKernel(add_op_namespace_prefix(op_name), f"{__package__}._jax_functions",
+                         function, cpu_chip=DEFAULT_CHIP)
 
 
-_forward = _LazyJaxKernel(add_op_namespace_prefix("rms_norm"), "rms_norm_forward")
-_fused_forward = _LazyJaxKernel(add_op_namespace_prefix("fused_add_rms_norm"),
-                                "fused_add_rms_norm_forward")
-_backward = _LazyJaxKernel(add_op_namespace_prefix("rms_norm_backward"), "rms_norm_backward")
-_fused_backward = _LazyJaxKernel(add_op_namespace_prefix("fused_add_rms_norm_backward"),
-                                 "fused_add_rms_norm_backward")
+_forward = _jax_kernel("rms_norm", "rms_norm_forward")
+_fused_forward = _jax_kernel("fused_add_rms_norm", "fused_add_rms_norm_forward")
+_backward = _jax_kernel("rms_norm_backward", "rms_norm_backward")
+_fused_backward = _jax_kernel("fused_add_rms_norm_backward", "fused_add_rms_norm_backward")
 
 
 # ----------------------------------------------------------------------------- backward ops

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import os
 
@@ -60,21 +61,27 @@ def _to_torch(a) -> torch.Tensor:
 class JaxKernel:
   """A fully type-annotated JAX function, runnable on "cpu" and "tpu" torch tensors.
 
-  `fn(*arrays, **statics)` must annotate every parameter (jax.Array for tensors,
-  int / float / bool / str for statics) and its return (jax.Array or a tuple of
-  them), as TorchTPU's `jax_op` requires. It must also take `chip: str` and
-  `interpret: bool`, which this class fills in: the host's TPU generation and
-  False on TPU, the default chip and True on CPU.
+  The function is `<module>.<function>`, imported on first use (so importing a kernel
+  package imports neither jax nor TorchTPU). `fn(*arrays, **statics)` must annotate
+  every parameter (jax.Array for tensors, int / float / bool / str for statics) and its
+  return (jax.Array or a tuple of them), as TorchTPU's `jax_op` requires. It must also
+  take `chip: str` and `interpret: bool`, which this class fills in: the host's TPU
+  generation and False on TPU, `cpu_chip` and True on CPU.
   """
 
-  def __init__(self, qualname: str, fn, *, cpu_chip: str):
+  def __init__(self, qualname: str, module: str, function: str, *, cpu_chip: str):
     self.qualname = qualname  # "namespace::name" of the op this function serves
-    self.fn = fn
+    self.module = module
+    self.function = function
     self.cpu_chip = cpu_chip
-    params = inspect.signature(fn).parameters
-    missing = {"chip", "interpret"} - set(params)
+
+  @functools.cached_property
+  def fn(self):
+    fn = getattr(importlib.import_module(self.module), self.function)
+    missing = {"chip", "interpret"} - set(inspect.signature(fn).parameters)
     if missing:
-      raise TypeError(f"{fn.__name__} must take {sorted(missing)}")
+      raise TypeError(f"{self.module}.{self.function} must take {sorted(missing)}")
+    return fn
 
   @functools.cached_property
   def _cpu_jit(self):
