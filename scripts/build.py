@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_EDITION = 5
-# Code that only the build, tests or benchmarks use; never vendored.
+# Never vendored: caches, and the card (it becomes the repo's README.md instead).
 _SKIP = shutil.ignore_patterns("__pycache__", "*.pyc", "CARD.md")
 
 
