@@ -32,7 +32,6 @@ def _check_common(op: str, x, weight, eps, offset) -> tuple[float, float]:
     raise ValueError(f"{op}: x must have a non-empty last (hidden) dimension, got shape "
                      f"{tuple(x.shape)}")
   validation.check_shape(op, "weight", weight, (x.shape[-1],), "the last dimension of x")
-  _shim.device_type_of(op, {"x": x, "weight": weight})
   eps = validation.check_finite_number(op, "eps", eps, minimum=0.0)
   offset = validation.check_finite_number(op, "offset", offset)
   return eps, offset
@@ -51,6 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     (..., hidden) in promote_types(x.dtype, weight.dtype). Differentiable in x and weight.
   """
   eps, offset = _check_common("rms_norm", x, weight, eps, offset)
+  _shim.device_type_of("rms_norm", {"x": x, "weight": weight})
   return rms_norm_op(x.contiguous(), weight.contiguous(), eps, offset)
 
 
