@@ -1,0 +1,831 @@
+"""Grouped matmul (ragged dot) for Mixture-of-Experts, forward and backward, in Pallas.
+
+Math. The rows of lhs (m, k) are sorted by group: group g owns the contiguous rows
+[start[g], end[g]) with start = cumsum(group_sizes) - group_sizes. rhs holds the
+groups group_offset .. group_offset + G_local - 1 (all groups when group_offset = 0
+and G_local = len(group_sizes)); local group i is global group group_offset + i. For
+a row r of local group i, with f32 accumulation,
+
+    z[r, :] = (lhs[r, :] @ W_i) * scale_i + bias_i          W_i = rhs[i] or rhs[i].T
+    out[r, :] = epilogue(z[r, :])
+
+where scale_i (per output channel) is present for int8 / float8_e4m3fn weights and
+the epilogue is the identity, an activation, or, for `gated_ragged_dot`, the gated
+unit act(z_gate) * z_up over the two halves of the output columns. Rows that belong
+to no local group (other experts' rows under expert parallelism, and rows past
+sum(group_sizes)) come out as exact zeros: every output element is written.
+
+Backward (first order), with dz = g * epilogue'(z) (z recomputed, not stored):
+
+    d_lhs[r]  = (dz[r] * scale_i) @ W_i.T          a grouped matmul with rhs transposed
+    d_rhs[i]  = lhs_i.T @ dz_i                     the transposed grouped matmul (tgmm)
+    d_bias[i] = sum_r dz_i[r]
+
+Quantized weights are frozen: they and their scales get no gradient.
+
+Layout (forward, `_gmm`). The grid is (n tiles, visits, k tiles). A *visit* is one
+(row tile, group) pair: a row tile of block_m rows that spans a group boundary is
+visited once per group in it, and the kernel stores only the rows of the visited
+group (a masked store into the output block, which stays in VMEM across consecutive
+visits of the same tile). Row tiles with no local rows (the head before the first
+local group and the tail after the last) get one "zero" visit, so that every tile is
+written. The first visit of a tile clears its output block. The visit list is built
+in XLA from group_sizes (`group_metadata`) and scalar-prefetched into SMEM; the
+number of visits is a run-time grid size, at most tiles_m + G_local + 1. Zero
+visits skip the matmul and pin their lhs / rhs block indices to those of the
+adjacent real visit, so they cost a grid step but no DMA.
+
+The k axis is reduced innermost into an f32 VMEM accumulator. A k that is not a
+multiple of block_k is masked on the last k block (on both operands: the part of a
+block past the array end holds stale data, maybe NaN). Partial last blocks along m
+and n are clipped by Pallas on the way out.
+
+Backward (`_tgmm`) for d_rhs: grid (k tiles, n tiles, visits) over the local groups
+only (an empty group still gets one visit, which writes its zero gradient); rows of
+other groups are masked out of both operands before lhs_tile.T @ dz_tile.
+
+Tiles come from the chip's VMEM budget (`gmm_tiling`, `tgmm_tiling`): the whole k
+in one block when it fits (weights are then fetched once per group and n tile),
+block_m near the mean group size (few wasted MXU rows at decode), block_n as large
+as the budget allows in multiples of 256 (the v6e MXU width).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+import numpy as np
+
+from . import chips
+from . import vmem
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
+QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
+SUPPORTED_ACTIVATIONS = ("identity", "silu", "gelu_tanh", "gelu", "relu", "relu2")
+GATED_ACTIVATIONS = SUPPORTED_ACTIVATIONS + ("gpt_oss",)
+LAYOUTS = ("concatenated", "interleaved")
+
+MAX_BLOCK_M = 512
+MAX_BLOCK_N = 2048
+# Whole-k blocks up to this size; beyond it k is cut into blocks of BLOCK_K_STEP multiples.
+MAX_BLOCK_K = 8192
+_LANE_STEP = 256   # v6e's MXU is 256 wide; 256-multiples also suit v5e's 128
+
+
+# ----------------------------------------------------------------------------- epilogues
+
+
+def activation(name: str, x):
+  """The elementwise activation `name` (f32 in, f32 out)."""
+  if name == "identity":
+    return x
+  if name == "silu":
+    return x * jax.nn.sigmoid(x)
+  if name == "gelu_tanh":
+    return 0.5 * x * (1.0 + jnp.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+  if name == "gelu":
+    return 0.5 * x * (1.0 + jax.lax.erf(x * 0.7071067811865476))
+  if name == "relu":
+    return jnp.maximum(x, 0.0)
+  if name == "relu2":
+    r = jnp.maximum(x, 0.0)
+    return r * r
+  raise ValueError(f"unknown activation {name!r}; expected one of {SUPPORTED_ACTIVATIONS}")
+
+
+def gated(name: str, gate, up, alpha: float, limit: float):
+  """act(gate) * up, or gpt-oss's clamped gate when name == "gpt_oss" (f32)."""
+  if name == "gpt_oss":
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1.0) * (gate * jax.nn.sigmoid(gate * alpha))
+  return activation(name, gate) * up
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+  """What the kernel applies to z = acc * scale + bias before storing (static)."""
+
+  activation: str | None = None   # None: store z as it is
+  gated: bool = False             # two column sets (gate, up) -> gated(activation, ...)
+  alpha: float = 1.702            # gpt_oss only
+  limit: float = 7.0              # gpt_oss only
+
+  def __call__(self, *z):
+    if self.gated:
+      return gated(self.activation, z[0], z[1], self.alpha, self.limit)
+    return z[0] if self.activation is None else activation(self.activation, z[0])
+
+
+# ----------------------------------------------------------------------------- tiling
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """How one grouped-matmul call is cut up, and the VMEM it plans for."""
+
+  block_m: int
+  block_k: int
+  block_n: int
+  vmem_limit_bytes: int
+  vmem_plan_bytes: int
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _row_block(m: int, num_groups: int, sublanes: int, block_m: int | None) -> int:
+  """Rows per tile: about the mean group size (a tile is computed whole once per group
+  it touches), a power of two in [sublanes, MAX_BLOCK_M], or all rows if fewer."""
+  if block_m is None:
+    block_m = min(max(_next_pow2(-(-m // max(num_groups, 1))), sublanes), MAX_BLOCK_M)
+  elif block_m < m and block_m % sublanes:
+    raise ValueError(f"block_m={block_m} must be a multiple of {sublanes} (or cover all "
+                     f"{m} rows)")
+  return m if m <= block_m else block_m
+
+
+def _lane_block_candidates(size: int, fixed: int | None, must_divide: int | None):
+  """Block sizes along a lane-mapped axis, largest first: the whole axis, then
+  multiples of 256 (then 128) below it; with `must_divide`, only divisors of it."""
+  if fixed is not None:
+    if fixed < size and fixed % 128:
+      raise ValueError(f"a block of {fixed} along an axis of {size} must be a multiple of 128")
+    return [min(fixed, size)]
+  cands = []
+  if must_divide is None and size <= MAX_BLOCK_K:
+    cands.append(size)
+  top = min(vmem.round_down(size, 128), MAX_BLOCK_K)
+  for b in range(top, 127, -128):
+    if b % _LANE_STEP and b > _LANE_STEP:
+      continue
+    if must_divide is not None and must_divide % b:
+      continue
+    if b not in cands:
+      cands.append(b)
+  return cands
+
+
+def _resolve_limit(chip, plan_bytes_min, vmem_limit_bytes):
+  limit = vmem.resolve_vmem_limit(chip, vmem_limit_bytes)
+  if vmem_limit_bytes is None and plan_bytes_min > vmem.vmem_budget(chip, None):
+    needed = vmem.round_up(int(plan_bytes_min / vmem.BUDGET_FRACTION), vmem.MiB)
+    limit = min(needed, chip.max_vmem_limit_bytes)
+  return limit, int(limit * vmem.BUDGET_FRACTION)
+
+
+def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=1,
+               n_must_divide=None, chip=chips.DEFAULT_CHIP, block_m=None, block_k=None,
+               block_n=None, vmem_limit_bytes=None) -> Tiling:
+  """Tiles of the forward kernel: out (m, n) per rhs operand from lhs (m, k).
+
+  VMEM plan: double-buffered lhs, rhs (x num_rhs), out, scale and bias blocks, the f32
+  accumulators, and f32 temporaries (dot result, epilogue). Preference: whole k, then the
+  widest block_n, then halving block_m. `n_must_divide`: block_n must divide it (the
+  gate/up halves of one concatenated weight are addressed in whole blocks).
+  """
+  chip_ = chips.get_chip(chip)
+  lb, rb, ob = (np.dtype(d).itemsize for d in (lhs_dtype, rhs_dtype, out_dtype))
+  sub = max(vmem.sublane_multiple(d) for d in (lhs_dtype, out_dtype))
+  rsub = vmem.sublane_multiple(rhs_dtype)
+  quantized = rb == 1
+  bm0 = _row_block(m, num_groups, sub, block_m)
+
+  def plan(bm, bk, bn):
+    bm_p, bk_p, bn_p = vmem.round_up(bm, sub), vmem.lane_padded(bk), vmem.lane_padded(bn)
+    total = 2 * bm_p * bk_p * lb + 2 * bm_p * bn_p * ob
+    total += num_rhs * 2 * vmem.round_up(bk, rsub) * bn_p * rb
+    total += num_rhs * 2 * 2 * 8 * bn_p * 4                 # scale, bias blocks
+    total += num_rhs * 2 * bm_p * bn_p * 4                   # accumulator + dot result
+    total += 3 * bm_p * bn_p * 4                             # epilogue temporaries
+    if quantized:
+      total += num_rhs * vmem.round_up(bk, 8) * bn_p * lb    # dequantised weight block
+    return total
+
+  k_cands = _lane_block_candidates(k, block_k, None)
+  n_cands = _lane_block_candidates(n, block_n, n_must_divide)
+  if not n_cands:
+    raise ValueError(f"no block_n divides {n_must_divide}")
+  bm_cands = [bm0]
+  while block_m is None and bm_cands[-1] > sub and bm_cands[-1] % (2 * sub) == 0:
+    bm_cands.append(bm_cands[-1] // 2)
+  smallest = plan(bm_cands[-1], k_cands[-1], n_cands[-1])
+  limit, budget = _resolve_limit(chip_, smallest, vmem_limit_bytes)
+  for bm in bm_cands:
+    for bk in k_cands:
+      for bn in n_cands:
+        if min(bn, MAX_BLOCK_N) != bn and block_n is None and len(n_cands) > 1:
+          continue
+        if plan(bm, bk, bn) <= budget:
+          return Tiling(bm, bk, bn, limit, plan(bm, bk, bn))
+  if block_m is not None or block_k is not None or block_n is not None:
+    bm, bk, bn = bm_cands[-1], k_cands[-1], n_cands[-1]
+    return Tiling(bm, bk, bn, limit, plan(bm, bk, bn))
+  raise ValueError(f"grouped matmul m={m} k={k} n={n} needs {smallest} bytes of VMEM at its "
+                   f"smallest tiles, more than the budget of {budget} bytes on {chip_.name}")
+
+
+def tgmm_tiling(m, k, n, *, num_groups, lhs_dtype, grad_dtype, out_dtype,
+                chip=chips.DEFAULT_CHIP, block_m=None, block_k=None, block_n=None,
+                vmem_limit_bytes=None) -> Tiling:
+  """Tiles of the weight-gradient kernel: out (k, n) per group from lhs (m, k), dz (m, n)."""
+  chip_ = chips.get_chip(chip)
+  lb, gb, ob = (np.dtype(d).itemsize for d in (lhs_dtype, grad_dtype, out_dtype))
+  sub = max(vmem.sublane_multiple(d) for d in (lhs_dtype, grad_dtype))
+  bm0 = _row_block(m, num_groups, sub, block_m)
+
+  def plan(bm, bk, bn):
+    bm_p, bk_p, bn_p = vmem.round_up(bm, sub), vmem.lane_padded(bk), vmem.lane_padded(bn)
+    total = 2 * bm_p * bk_p * lb + 2 * bm_p * bn_p * gb
+    total += 2 * vmem.round_up(bk, 8) * bn_p * ob
+    total += 2 * vmem.round_up(bk, 8) * bn_p * 4                 # accumulator + dot result
+    total += bm_p * (bk_p + bn_p) * 4 + bm_p * bk_p * 4          # masked f32 copies, transpose
+    return total
+
+  k_cands = [b for b in _lane_block_candidates(k, block_k, None) if b <= 2048 or b == k]
+  n_cands = [b for b in _lane_block_candidates(n, block_n, None) if b <= MAX_BLOCK_N or b == n]
+  bm_cands = [bm0]
+  while block_m is None and bm_cands[-1] > sub and bm_cands[-1] % (2 * sub) == 0:
+    bm_cands.append(bm_cands[-1] // 2)
+  smallest = plan(bm_cands[-1], k_cands[-1], n_cands[-1])
+  limit, budget = _resolve_limit(chip_, smallest, vmem_limit_bytes)
+  for bm in bm_cands:
+    for bk in k_cands:
+      for bn in n_cands:
+        if plan(bm, bk, bn) <= budget:
+          return Tiling(bm, bk, bn, limit, plan(bm, bk, bn))
+  bm, bk, bn = bm_cands[-1], k_cands[-1], n_cands[-1]
+  if block_m is not None or block_k is not None or block_n is not None:
+    return Tiling(bm, bk, bn, limit, plan(bm, bk, bn))
+  raise ValueError(f"weight gradient m={m} k={k} n={n} needs {smallest} bytes of VMEM at its "
+                   f"smallest tiles, more than the budget of {budget} bytes on {chip_.name}")
+
+
+# ----------------------------------------------------------------------------- visits
+
+# Fields of the visit table, one int32 row each (flattened into one SMEM array).
+_GROUP, _TILE, _ROW_START, _ROW_END, _RHS_GROUP, _LHS_TILE, _K_PIN = range(7)
+_NUM_FIELDS = 7
+
+
+def max_visits(m: int, block_m: int, num_local_groups: int) -> int:
+  return pl.cdiv(m, block_m) + num_local_groups + 1
+
+
+def group_metadata(group_sizes, group_offset, *, num_local_groups: int, m: int,
+                   block_m: int, num_k_tiles: int, zero_visits: bool):
+  """The visit table of one call and the number of visits (a traced int32).
+
+  Returns (table, num_visits): table is int32 (_NUM_FIELDS * V,), V = max_visits(...),
+  row f * V + v giving field f of visit v; visits past num_visits repeat the last one.
+
+  zero_visits=True (forward): the head and tail row ranges with no local group are
+  visited as group num_local_groups (store nothing; the tile is cleared), and empty
+  groups are not visited. zero_visits=False (weight gradient): only local groups are
+  visited, an empty one once (its gradient is zero).
+  """
+  g_local = num_local_groups
+  sizes = group_sizes.astype(jnp.int32)
+  offset = jnp.asarray(group_offset, jnp.int32)
+  before = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < offset, sizes, 0))
+  local_sizes = jax.lax.dynamic_slice(
+      jnp.concatenate([sizes, jnp.zeros((g_local,), jnp.int32)]), (offset,), (g_local,))
+  local_ends = jnp.minimum(before + jnp.cumsum(local_sizes), m)
+  first_row = jnp.minimum(before, m)
+  local_starts = jnp.concatenate([first_row[None], local_ends[:-1]])
+  last_row = local_ends[-1]
+  tiles_m = pl.cdiv(m, block_m)
+  last_tile_of = lambda end: (end - 1) // block_m
+
+  # Virtual groups, in row order: head (zero), the local groups, tail (zero).
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), local_starts, last_row[None]])
+  ends = jnp.concatenate([first_row[None], local_ends, jnp.full((1,), m, jnp.int32)])
+  ids = jnp.concatenate([jnp.array([g_local]), jnp.arange(g_local), jnp.array([g_local])])
+  ids = ids.astype(jnp.int32)
+  nonempty = ends > starts
+  first_tile = jnp.minimum(starts // block_m, tiles_m - 1)
+  counts = jnp.where(nonempty, last_tile_of(ends) - first_tile + 1, 0)
+  is_zero = ids == g_local
+  if zero_visits:
+    # Zero visits for the tiles with no local row: those wholly before the first local
+    # row (head) and wholly after the last (tail); with no local rows, all of them.
+    all_zero = first_row == last_row
+    head_tiles = jnp.where(all_zero, tiles_m, first_row // block_m)
+    tail_first = jnp.minimum(pl.cdiv(last_row, block_m), tiles_m)
+    tail_tiles = jnp.where(all_zero, 0, tiles_m - tail_first)
+    counts = counts.at[0].set(head_tiles).at[-1].set(tail_tiles)
+    first_tile = first_tile.at[0].set(0).at[-1].set(jnp.minimum(tail_first, tiles_m - 1))
+  else:
+    counts = jnp.where(is_zero, 0, jnp.where(nonempty, counts, 1))
+
+  num_v = max_visits(m, block_m, g_local)
+  cum = jnp.cumsum(counts)
+  num_visits = cum[-1]
+  v = jnp.minimum(jnp.arange(num_v, dtype=jnp.int32), jnp.maximum(num_visits - 1, 0))
+  vg = jnp.minimum(jnp.searchsorted(cum, v, side="right"), counts.shape[0] - 1)
+  tile = first_tile[vg] + v - (cum[vg] - counts[vg])
+  group = ids[vg]
+  real = group < g_local
+  row_start = jnp.where(real, starts[vg], 0)
+  row_end = jnp.where(real, ends[vg], 0)
+
+  # Block indices a zero visit pins its inputs to: those of the adjacent real visit.
+  real_groups = jnp.where(real, group, -1)
+  any_real = jnp.any(real)
+  first_real = jnp.argmax(real)
+  last_real = num_v - 1 - jnp.argmax(real[::-1])
+  is_head = vg == 0
+  rhs_group = jnp.where(real, group,
+                        jnp.where(is_head, real_groups[first_real], real_groups[last_real]))
+  rhs_group = jnp.where(any_real, jnp.clip(rhs_group, 0, g_local - 1), 0)
+  lhs_tile = jnp.where(real, tile, jnp.where(is_head, tile[first_real], tile[last_real]))
+  lhs_tile = jnp.where(any_real, lhs_tile, 0)
+  k_pin = jnp.where(real, -1, jnp.where(is_head, 0, num_k_tiles - 1))
+  k_pin = jnp.where(any_real, k_pin, 0)
+  table = jnp.stack([group, tile, row_start, row_end, rhs_group, lhs_tile, k_pin])
+  return table.astype(jnp.int32).reshape(-1), num_visits.astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _field(table_ref, field, v, num_v):
+  return table_ref[field * num_v + v]
+
+
+def _mask_k_tail(x, axis, k_rem, is_last_k):
+  """Zero the part of a k block past the array end (stale VMEM, maybe NaN)."""
+  if k_rem == 0:
+    return x
+  idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+  return jnp.where(jnp.logical_or(jnp.logical_not(is_last_k), idx < k_rem), x,
+                   jnp.zeros_like(x))
+
+
+def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has_scale, has_bias,
+                transpose_rhs, k_rem, block_m, epilogue, compute_dtype):
+  rhs_refs = refs[:num_rhs]
+  refs = refs[num_rhs:]
+  scale_refs = refs[:num_rhs] if has_scale else ()
+  refs = refs[num_rhs if has_scale else 0:]
+  bias_refs = refs[:num_rhs] if has_bias else ()
+  refs = refs[num_rhs if has_bias else 0:]
+  out_ref, acc_refs = refs[0], refs[1:]
+
+  v, kk = pl.program_id(1), pl.program_id(2)
+  last_k = pl.num_programs(2) - 1
+  group = _field(table_ref, _GROUP, v, num_v)
+  real = group < num_local_groups
+
+  @pl.when(kk == 0)
+  def _():
+    for acc in acc_refs:
+      acc[...] = jnp.zeros_like(acc)
+
+  @pl.when(real)
+  def _():
+    x = _mask_k_tail(lhs_ref[...], 1, k_rem, kk == last_k)
+    for rhs_ref, acc in zip(rhs_refs, acc_refs):
+      w = rhs_ref[...]
+      if w.dtype != compute_dtype:   # int8 / fp8 weights: exact in bf16 and f32
+        w = w.astype(jnp.float32).astype(compute_dtype)
+      w = _mask_k_tail(w, 1 if transpose_rhs else 0, k_rem, kk == last_k)
+      dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+      acc[...] += jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+  @pl.when(kk == last_k)
+  def _():
+    prev = jnp.maximum(v - 1, 0)
+    tile = _field(table_ref, _TILE, v, num_v)
+    first_visit = jnp.logical_or(v == 0, _field(table_ref, _TILE, prev, num_v) != tile)
+
+    @pl.when(first_visit)
+    def _():
+      out_ref[...] = jnp.zeros_like(out_ref)
+
+    @pl.when(real)
+    def _():
+      zs = []
+      for i, acc in enumerate(acc_refs):
+        z = acc[...]
+        if has_scale:
+          z = z * scale_refs[i][...].astype(jnp.float32)
+        if has_bias:
+          z = z + bias_refs[i][...].astype(jnp.float32)
+        zs.append(z)
+      y = epilogue(*zs)
+      rows = tile * block_m + jax.lax.broadcasted_iota(jnp.int32, y.shape, 0)
+      mask = jnp.logical_and(rows >= _field(table_ref, _ROW_START, v, num_v),
+                             rows < _field(table_ref, _ROW_END, v, num_v))
+      out_ref[...] = jnp.where(mask, y.astype(out_ref.dtype), out_ref[...])
+
+
+
+
+def _tgmm_kernel(table_ref, lhs_ref, dz_ref, out_ref, acc_ref, *, num_v, block_m,
+                 compute_dtype):
+  v = pl.program_id(2)
+  last_v = pl.num_programs(2) - 1
+  group = _field(table_ref, _GROUP, v, num_v)
+  first = jnp.logical_or(v == 0, _field(table_ref, _GROUP, jnp.maximum(v - 1, 0), num_v) != group)
+  last = jnp.logical_or(v == last_v,
+                        _field(table_ref, _GROUP, jnp.minimum(v + 1, last_v), num_v) != group)
+
+  @pl.when(first)
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  tile = _field(table_ref, _TILE, v, num_v)
+  rows = tile * block_m + jax.lax.broadcasted_iota(jnp.int32, (lhs_ref.shape[0], 1), 0)
+  mask = jnp.logical_and(rows >= _field(table_ref, _ROW_START, v, num_v),
+                         rows < _field(table_ref, _ROW_END, v, num_v))
+  # Select, not multiply: rows of other groups, or past m, may hold NaN.
+  x = jnp.where(mask, lhs_ref[...].astype(jnp.float32), 0.0)
+  dz = jnp.where(mask, dz_ref[...].astype(jnp.float32), 0.0)
+  acc_ref[...] += jax.lax.dot(x.swapaxes(0, 1).astype(compute_dtype), dz.astype(compute_dtype),
+                              preferred_element_type=jnp.float32)
+
+  @pl.when(last)
+  def _():
+    out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+# ----------------------------------------------------------------------------- calls
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything static about one call (hashable)."""
+
+  transpose_rhs: bool
+  epilogue: Epilogue
+  layout: str
+  out_dtype: str
+  chip: str
+  block_m: int | None
+  block_k: int | None
+  block_n: int | None
+  vmem_limit_bytes: int | None
+  interpret: bool
+
+
+def _compute_dtype(lhs_dtype):
+  return jnp.dtype(lhs_dtype)
+
+
+def _gmm(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, *, n_out,
+         transpose_rhs, epilogue, out_dtype, tiling_n_divides, st: _Static):
+  """One forward pallas_call. rhs_ops: [(array, n block offset)], 1 or 2 of them (gate, up);
+  scale_ops / bias_ops: the same for [G, 1, N] arrays, or empty."""
+  m, k = lhs.shape
+  g_local = rhs_ops[0][0].shape[0]
+  rhs_dtype = rhs_ops[0][0].dtype
+  t = gmm_tiling(m, k, n_out, num_groups=g_local, lhs_dtype=lhs.dtype, rhs_dtype=rhs_dtype,
+                 out_dtype=out_dtype, num_rhs=len(rhs_ops), n_must_divide=tiling_n_divides,
+                 chip=st.chip, block_m=st.block_m, block_k=st.block_k, block_n=st.block_n,
+                 vmem_limit_bytes=st.vmem_limit_bytes)
+  return _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t,
+                   n_out=n_out, transpose_rhs=transpose_rhs, epilogue=epilogue,
+                   out_dtype=out_dtype, interpret=st.interpret)
+
+
+def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: Tiling, *,
+              n_out, transpose_rhs, epilogue, out_dtype, interpret, num_visits=None):
+  m, k = lhs.shape
+  g_local = rhs_ops[0][0].shape[0]
+  bm, bk, bn = t.block_m, t.block_k, t.block_n
+  tiles_k = pl.cdiv(k, bk)
+  num_v = max_visits(m, bm, g_local)
+  table, visits = group_metadata(group_sizes, group_offset, num_local_groups=g_local, m=m,
+                                 block_m=bm, num_k_tiles=tiles_k, zero_visits=True)
+  if num_visits is not None:   # a static count (static performance estimates)
+    visits = num_visits
+
+  def k_index(v, kk, tab):
+    pin = tab[_K_PIN * num_v + v]
+    return jnp.where(pin < 0, kk, pin)
+
+  def lhs_map(j, v, kk, tab):
+    return tab[_LHS_TILE * num_v + v], k_index(v, kk, tab)
+
+  def rhs_spec(offset):
+    if transpose_rhs:
+      return pl.BlockSpec((None, bn, bk), lambda j, v, kk, tab: (
+          tab[_RHS_GROUP * num_v + v], j + offset, k_index(v, kk, tab)))
+    return pl.BlockSpec((None, bk, bn), lambda j, v, kk, tab: (
+        tab[_RHS_GROUP * num_v + v], k_index(v, kk, tab), j + offset))
+
+  def row_spec(offset):   # [G, 1, N] scale / bias
+    return pl.BlockSpec((None, 1, bn), lambda j, v, kk, tab: (
+        tab[_RHS_GROUP * num_v + v], 0, j + offset))
+
+  in_specs = [pl.BlockSpec((bm, bk), lhs_map)]
+  in_specs += [rhs_spec(off) for _, off in rhs_ops]
+  in_specs += [row_spec(off) for _, off in scale_ops]
+  in_specs += [row_spec(off) for _, off in bias_ops]
+  operands = [lhs] + [a for a, _ in rhs_ops] + [a for a, _ in scale_ops] + [a for a, _ in bias_ops]
+  kernel = functools.partial(
+      _gmm_kernel, num_v=num_v, num_local_groups=g_local, num_rhs=len(rhs_ops),
+      has_scale=bool(scale_ops), has_bias=bool(bias_ops), transpose_rhs=transpose_rhs,
+      k_rem=k % bk, block_m=bm, epilogue=epilogue, compute_dtype=_compute_dtype(lhs.dtype))
+  return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1,
+          grid=(pl.cdiv(n_out, bn), visits, tiles_k),
+          in_specs=in_specs,
+          out_specs=pl.BlockSpec((bm, bn), lambda j, v, kk, tab: (tab[_TILE * num_v + v], j)),
+          scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32) for _ in rhs_ops]),
+      out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+          vmem_limit_bytes=t.vmem_limit_bytes),
+      interpret=interpret,
+      name="ragged_dot_gated" if epilogue.gated else "ragged_dot",
+  )(table, *operands)
+
+
+def _tgmm(lhs, dz, group_sizes, group_offset, *, num_local_groups, out_dtype, st: _Static,
+          num_visits=None):
+  """d_rhs[i] = lhs_i.T @ dz_i for each local group: (G_local, k, n) from (m, k), (m, n)."""
+  m, k = lhs.shape
+  n = dz.shape[1]
+  t = tgmm_tiling(m, k, n, num_groups=num_local_groups, lhs_dtype=lhs.dtype,
+                  grad_dtype=dz.dtype, out_dtype=out_dtype, chip=st.chip,
+                  vmem_limit_bytes=st.vmem_limit_bytes)
+  bm, bk, bn = t.block_m, t.block_k, t.block_n
+  num_v = max_visits(m, bm, num_local_groups)
+  table, visits = group_metadata(group_sizes, group_offset, num_local_groups=num_local_groups,
+                                 m=m, block_m=bm, num_k_tiles=1, zero_visits=False)
+  if num_visits is not None:
+    visits = num_visits
+  kernel = functools.partial(_tgmm_kernel, num_v=num_v, block_m=bm,
+                             compute_dtype=_compute_dtype(lhs.dtype))
+  return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1,
+          grid=(pl.cdiv(k, bk), pl.cdiv(n, bn), visits),
+          in_specs=[pl.BlockSpec((bm, bk), lambda i, j, v, tab: (tab[_TILE * num_v + v], i)),
+                    pl.BlockSpec((bm, bn), lambda i, j, v, tab: (tab[_TILE * num_v + v], j))],
+          out_specs=pl.BlockSpec((None, bk, bn),
+                                 lambda i, j, v, tab: (tab[_GROUP * num_v + v], i, j)),
+          scratch_shapes=[pltpu.VMEM((bk, bn), jnp.float32)]),
+      out_shape=jax.ShapeDtypeStruct((num_local_groups, k, n), out_dtype),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary"),
+          vmem_limit_bytes=t.vmem_limit_bytes),
+      interpret=st.interpret,
+      name="ragged_dot_weight_grad",
+  )(table, lhs, dz)
+
+
+def _row_spec_array(a):
+  return None if a is None else a.reshape(a.shape[0], 1, a.shape[-1])
+
+
+def _split_columns(a, layout, half, axis):
+  """(gate, up) column sets of a [.., 2I ..] array along `axis` (a copy, in XLA)."""
+  if layout == "interleaved":
+    idx = [slice(None)] * a.ndim
+    gate_idx, up_idx = list(idx), list(idx)
+    gate_idx[axis], up_idx[axis] = slice(0, None, 2), slice(1, None, 2)
+    return a[tuple(gate_idx)], a[tuple(up_idx)]
+  return (jax.lax.slice_in_dim(a, 0, half, axis=axis),
+          jax.lax.slice_in_dim(a, half, 2 * half, axis=axis))
+
+
+def _join_columns(gate, up, layout):
+  if layout == "interleaved":
+    return jnp.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], 2 * gate.shape[-1])
+  return jnp.concatenate([gate, up], axis=-1)
+
+
+def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
+             epilogue=None, out_dtype=None):
+  """The fused forward: epilogue(lhs @ W * scale + bias) per group, [m, n_out]."""
+  epilogue = st.epilogue if epilogue is None else epilogue
+  out_dtype = jnp.dtype(st.out_dtype if out_dtype is None else out_dtype)
+  n_axis = 1 if st.transpose_rhs else 2
+  n_full = rhs.shape[n_axis]
+  scale, bias = _row_spec_array(scale), _row_spec_array(bias)
+  common = dict(transpose_rhs=st.transpose_rhs, epilogue=epilogue, out_dtype=out_dtype, st=st)
+  if not epilogue.gated:
+    return _gmm(lhs, [(rhs, 0)], [] if scale is None else [(scale, 0)],
+                [] if bias is None else [(bias, 0)], group_sizes, group_offset,
+                n_out=n_full, tiling_n_divides=None, **common)
+  half = n_full // 2
+  if st.layout == "concatenated" and half % 128 == 0:
+    # Gate and up are whole blocks of the same array: no copy of the weights.
+    t = gmm_tiling(lhs.shape[0], lhs.shape[1], half, num_groups=rhs.shape[0],
+                   lhs_dtype=lhs.dtype, rhs_dtype=rhs.dtype, out_dtype=out_dtype, num_rhs=2,
+                   n_must_divide=half, chip=st.chip, block_m=st.block_m, block_k=st.block_k,
+                   block_n=st.block_n, vmem_limit_bytes=st.vmem_limit_bytes)
+    up = half // t.block_n
+    ops = lambda a: [] if a is None else [(a, 0), (a, up)]
+    return _gmm_call(lhs, ops(rhs), ops(scale), ops(bias), group_sizes, group_offset, t,
+                     n_out=half, transpose_rhs=st.transpose_rhs, epilogue=epilogue,
+                     out_dtype=out_dtype, interpret=st.interpret)
+  # Interleaved columns (gpt-oss) or halves not a multiple of 128: split in XLA (copies
+  # the weights once per call; callers that run many steps can split them once).
+  pairs = lambda a, axis: [] if a is None else list(zip(_split_columns(a, st.layout, half, axis),
+                                                        (0, 0)))
+  return _gmm(lhs, pairs(rhs, n_axis), pairs(scale, 2), pairs(bias, 2), group_sizes,
+              group_offset, n_out=half, tiling_n_divides=None, **common)
+
+
+def _local_row_groups(group_sizes, group_offset, num_local_groups, m):
+  """Local group of each row, int32 [m]; num_local_groups for rows of no local group."""
+  sizes = group_sizes.astype(jnp.int32)
+  before = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < group_offset, sizes, 0))
+  local_sizes = jax.lax.dynamic_slice(
+      jnp.concatenate([sizes, jnp.zeros((num_local_groups,), jnp.int32)]), (group_offset,),
+      (num_local_groups,))
+  ends = before + jnp.cumsum(local_sizes)
+  rows = jnp.arange(m, dtype=jnp.int32)
+  ids = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+  return jnp.where(rows < before, num_local_groups, ids)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ragged_dot(lhs, rhs, scale, bias, group_sizes, group_offset, st):
+  return _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st)
+
+
+def _ragged_dot_fwd(lhs, rhs, scale, bias, group_sizes, group_offset, st):
+  out = _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st)
+  return out, (lhs, rhs, scale, bias, group_sizes, group_offset)
+
+
+def _ragged_dot_bwd(st, saved, g):
+  lhs, rhs, scale, bias, group_sizes, group_offset = saved
+  ep = st.epilogue
+  m = lhs.shape[0]
+  g_local = rhs.shape[0]
+  g = g.astype(jnp.float32)
+  if ep.activation is None and not ep.gated:
+    dz = g
+  else:
+    z = _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st,
+                 epilogue=Epilogue(), out_dtype=jnp.float32)
+    if ep.gated:
+      half = z.shape[1] // 2
+      zg, zu = _split_columns(z, st.layout, half, 1)
+      _, vjp = jax.vjp(lambda a, b: ep(a, b), zg, zu)
+      dz = _join_columns(*vjp(g), st.layout)
+    else:
+      _, vjp = jax.vjp(ep, z)
+      dz, = vjp(g)
+  row_groups = _local_row_groups(group_sizes, group_offset, g_local, m)
+  in_local = (row_groups < g_local)[:, None]
+  dz = jnp.where(in_local, dz, 0.0)
+  dz_lhs = dz
+  if scale is not None:
+    dz_lhs = dz * scale[jnp.minimum(row_groups, g_local - 1)].astype(jnp.float32)
+  transposed = dataclasses.replace(st, transpose_rhs=not st.transpose_rhs, epilogue=Epilogue(),
+                                   block_m=None, block_k=None, block_n=None)
+  d_lhs = _forward(dz_lhs.astype(lhs.dtype), rhs, None, None, group_sizes, group_offset,
+                   transposed, out_dtype=lhs.dtype)
+  d_rhs = None
+  if rhs.dtype in FLOAT_DTYPES:
+    dz_c = dz.astype(lhs.dtype)
+    if st.transpose_rhs:
+      d_rhs = _tgmm(dz_c, lhs, group_sizes, group_offset, num_local_groups=g_local,
+                    out_dtype=rhs.dtype, st=st)
+    else:
+      d_rhs = _tgmm(lhs, dz_c, group_sizes, group_offset, num_local_groups=g_local,
+                    out_dtype=rhs.dtype, st=st)
+  d_bias = None
+  if bias is not None:
+    d_bias = jax.ops.segment_sum(dz, row_groups, num_segments=g_local + 1)[:g_local]
+    d_bias = d_bias.astype(bias.dtype)
+  return d_lhs, d_rhs, None, d_bias, None, None
+
+
+_ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
+
+
+# ----------------------------------------------------------------------------- JAX API
+
+
+def _check(lhs, rhs, group_sizes, rhs_scale, bias, transpose_rhs, out_dtype, n_full):
+  if lhs.ndim != 2:
+    raise ValueError(f"lhs must be 2-D (m, k), got shape {lhs.shape}")
+  if rhs.ndim != 3:
+    raise ValueError(f"rhs must be 3-D (groups, k, n), got shape {rhs.shape}")
+  if lhs.dtype not in FLOAT_DTYPES:
+    raise TypeError(f"lhs must be float32 or bfloat16, got {lhs.dtype}")
+  k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
+  if lhs.shape[1] != k:
+    raise ValueError(f"lhs has k={lhs.shape[1]} but rhs {rhs.shape} "
+                     f"(transpose_rhs={transpose_rhs}) has k={k}")
+  if k == 0:
+    raise ValueError("k must be positive")
+  if rhs.shape[0] == 0:
+    raise ValueError("rhs must hold at least one group")
+  if group_sizes.ndim != 1 or group_sizes.dtype != jnp.int32:
+    raise TypeError(f"group_sizes must be a 1-D int32 array, got {group_sizes.dtype} "
+                    f"{group_sizes.shape}")
+  if group_sizes.shape[0] < rhs.shape[0]:
+    raise ValueError(f"group_sizes has {group_sizes.shape[0]} groups, fewer than the "
+                     f"{rhs.shape[0]} of rhs")
+  if rhs.dtype in QUANTIZED_DTYPES:
+    if rhs_scale is None:
+      raise ValueError(f"rhs of dtype {rhs.dtype} needs rhs_scale of shape "
+                       f"({rhs.shape[0]}, {n_full})")
+  elif rhs.dtype != lhs.dtype:
+    raise TypeError(f"rhs must have lhs's dtype {lhs.dtype} (or be int8 / float8_e4m3fn "
+                    f"with rhs_scale), got {rhs.dtype}; no silent casts")
+  elif rhs_scale is not None:
+    raise ValueError("rhs_scale applies only to int8 / float8_e4m3fn rhs")
+  for name, a in (("rhs_scale", rhs_scale), ("bias", bias)):
+    if a is not None and a.shape != (rhs.shape[0], n_full):
+      raise ValueError(f"{name} must have shape ({rhs.shape[0]}, {n_full}), got {a.shape}")
+    if a is not None and a.dtype not in FLOAT_DTYPES:
+      raise TypeError(f"{name} must be float32 or bfloat16, got {a.dtype}")
+  if out_dtype is not None and jnp.dtype(out_dtype) not in FLOAT_DTYPES:
+    raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+
+
+def _run(lhs, rhs, group_sizes, group_offset, rhs_scale, bias, st, n_out):
+  m = lhs.shape[0]
+  if m == 0 or n_out == 0:
+    return jnp.zeros((m, n_out), st.out_dtype)
+  return _ragged_dot(lhs, rhs, rhs_scale, bias, group_sizes,
+                     jnp.asarray(group_offset, jnp.int32), st)
+
+
+def ragged_dot(lhs, rhs, group_sizes, *, group_offset=0, transpose_rhs=False, rhs_scale=None,
+               bias=None, activation=None, out_dtype=None, chip=chips.DEFAULT_CHIP,
+               block_m=None, block_k=None, block_n=None, vmem_limit_bytes=None,
+               interpret=False):
+  """Grouped matmul: rows of group g times rhs[g - group_offset], differentiable.
+
+  Args:
+    lhs: (m, k) f32 / bf16, rows sorted by group.
+    rhs: (G_local, k, n), or (G_local, n, k) with transpose_rhs; lhs's dtype, or int8 /
+      float8_e4m3fn with rhs_scale (weights dequantised in the kernel, frozen).
+    group_sizes: (G_total,) int32, G_total >= G_local; rows of group g are
+      [sum(group_sizes[:g]), sum(group_sizes[:g+1])), clipped to m.
+    group_offset: int or int32 scalar (traceable, e.g. under shard_map): rhs[i] is
+      global group group_offset + i. Rows of other groups, and rows past
+      sum(group_sizes), come out as zeros.
+    rhs_scale: (G_local, n) per-output-channel scale of quantized rhs.
+    bias: (G_local, n), added after the scale.
+    activation: None or one of SUPPORTED_ACTIVATIONS, applied in the kernel's epilogue.
+    out_dtype: f32 / bf16, default lhs.dtype. Accumulation is always f32.
+    chip: tiles and VMEM limit for "v5e", "v6e", "v5p" or "v7".
+    block_m, block_k, block_n, vmem_limit_bytes: override the chosen tiling.
+    interpret: run in Pallas interpret mode (CPU).
+  Returns:
+    (m, n) in out_dtype.
+  """
+  n_full = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  _check(lhs, rhs, group_sizes, rhs_scale, bias, transpose_rhs, out_dtype, n_full)
+  if activation is not None and activation not in SUPPORTED_ACTIVATIONS:
+    raise ValueError(f"activation must be None or one of {SUPPORTED_ACTIVATIONS}, "
+                     f"got {activation!r}")
+  st = _Static(bool(transpose_rhs), Epilogue(activation=activation), "concatenated",
+               jnp.dtype(out_dtype or lhs.dtype).name, chip, block_m, block_k, block_n,
+               vmem_limit_bytes, bool(interpret))
+  chips.get_chip(chip)
+  return _run(lhs, rhs, group_sizes, group_offset, rhs_scale, bias, st, n_full)
+
+
+def gated_ragged_dot(lhs, rhs, group_sizes, *, activation="silu", layout="concatenated",
+                     alpha=1.702, limit=7.0, group_offset=0, transpose_rhs=False,
+                     rhs_scale=None, bias=None, out_dtype=None, chip=chips.DEFAULT_CHIP,
+                     block_m=None, block_k=None, block_n=None, vmem_limit_bytes=None,
+                     interpret=False):
+  """Gated MoE up-projection: act(z_gate) * z_up, with z = lhs @ W (+ bias) per group.
+
+  The gate/up product is formed in the kernel's epilogue, so the (m, 2I) projection
+  never reaches HBM. rhs is (G_local, k, 2I) (or (G_local, 2I, k) with transpose_rhs);
+  layout "concatenated": gate = the first I of the 2I columns, up = the last I;
+  "interleaved" (gpt-oss): gate = even columns, up = odd. activation: one of
+  GATED_ACTIVATIONS; "gpt_oss" is (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
+  with g = min(gate, limit). rhs_scale and bias are (G_local, 2I) in rhs's column layout.
+  Other arguments as in `ragged_dot`. Returns (m, I) in out_dtype.
+  """
+  n_full = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  _check(lhs, rhs, group_sizes, rhs_scale, bias, transpose_rhs, out_dtype, n_full)
+  if activation not in GATED_ACTIVATIONS:
+    raise ValueError(f"activation must be one of {GATED_ACTIVATIONS}, got {activation!r}")
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  if n_full % 2:
+    raise ValueError(f"the gate/up axis of rhs must be even, got {n_full}")
+  st = _Static(bool(transpose_rhs),
+               Epilogue(activation=activation, gated=True, alpha=float(alpha),
+                        limit=float(limit)),
+               layout, jnp.dtype(out_dtype or lhs.dtype).name, chip, block_m, block_k,
+               block_n, vmem_limit_bytes, bool(interpret))
+  chips.get_chip(chip)
+  return _run(lhs, rhs, group_sizes, group_offset, rhs_scale, bias, st, n_full // 2)
