@@ -1,0 +1,121 @@
+"""Mixture-of-Experts experts block on the grouped matmul kernels (`ragged_dot.py`).
+
+    moe_experts(hidden[T, H], top_k_index[T, K], top_k_weights[T, K], gate_up_weight,
+                down_weight, *, num_experts, ...) -> [T, H]
+
+The same computation as Transformers' `grouped_mm_experts_forward`
+(`transformers/integrations/moe.py`), step for step:
+
+  1. Flatten the T*K (token, expert) pairs: expert id `ids[s]`, weight `w[s]`, token `s // K`.
+  2. Sort the pairs by expert id (stable, so rows of one expert keep token order). Expert-
+     parallel placeholder ids (>= num_experts: experts on another shard) sort to the tail.
+  3. group_sizes[e] = number of pairs routed to expert e, counting real experts only. The
+     placeholder rows lie past sum(group_sizes): in no group, so the kernel writes zeros for
+     them and they contribute nothing (neither to the output nor to any gradient).
+  4. Gather the token rows in sorted order: x[S, H].
+  5. Gate/up projection with the activation fused into the kernel's epilogue
+     (`gated_ragged_dot`: act(gate) * up, [S, I]; the [S, 2I] intermediate never leaves the
+     kernel). Without a gate (Nemotron-H): `ragged_dot(..., activation=act)`, [S, I].
+  6. Down projection (`ragged_dot`) to [S, H], in float32.
+  7. Multiply each row by its routing weight (float32), restore the token order, sum over
+     the K experts of each token in float32, and cast to hidden's dtype.
+
+Weight layouts (Transformers' experts modules):
+  is_transposed=False: gate_up (E, 2I, H) [or up (E, I, H)], down (E, H, I)  -> transpose_rhs
+  is_transposed=True:  gate_up (E, H, 2I) [or up (E, H, I)], down (E, I, H)
+  is_concatenated: gate = first I columns of 2I, up = last I; False: interleaved
+  (gate = even, up = odd columns, as gpt-oss stores them).
+Quantized weights (int8 / float8_e4m3fn) come with per-output-channel float32 scales
+(gate_up_scale [E, 2I], down_scale [E, H]) and are dequantized inside the kernel.
+
+Differentiable with jax.vjp w.r.t. hidden, top_k_weights, float weights and biases
+(top_k_index is integer and is not). Quantized weights are frozen: no gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import chips, ragged_dot
+
+# The gate activation names moe_experts takes: the kernel's, plus gpt-oss's clamped gate.
+GATED_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu", "relu2", "identity", "gpt_oss")
+
+
+def moe_experts(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array,
+                gate_up_weight: jax.Array, down_weight: jax.Array, *,
+                gate_up_bias: jax.Array | None = None, down_bias: jax.Array | None = None,
+                gate_up_scale: jax.Array | None = None, down_scale: jax.Array | None = None,
+                num_experts: int, has_gate: bool = True, is_transposed: bool = False,
+                is_concatenated: bool = True, activation: str = "silu", alpha: float = 1.702,
+                limit: float = 7.0, chip: str = chips.DEFAULT_CHIP,
+                interpret: bool = False) -> jax.Array:
+  """The experts block of an MoE layer: sum_k w[t, k] * expert_{idx[t, k]}(hidden[t]).
+
+  Args:
+    hidden: [T, H] float32 / bfloat16.
+    top_k_index: [T, K] int32 expert ids; ids >= num_experts are expert-parallel
+      placeholders and contribute nothing.
+    top_k_weights: [T, K] routing weights (any float dtype; applied in float32).
+    gate_up_weight: has_gate: [E, 2I, H] (or [E, H, 2I] if is_transposed); without a gate
+      the up projection [E, I, H] (or [E, H, I]). hidden's dtype, or int8 / float8_e4m3fn
+      with gate_up_scale.
+    down_weight: [E, H, I] (or [E, I, H] if is_transposed), same rules.
+    gate_up_bias, down_bias: [E, 2I] (or [E, I]) and [E, H], optional.
+    gate_up_scale, down_scale: float32 per-output-channel scales, iff the weight is quantized.
+    num_experts: E.
+    activation: one of GATED_ACTIVATIONS ("gpt_oss" needs has_gate).
+  Returns:
+    [T, H] in hidden's dtype.
+  """
+  tokens, hidden_size = hidden.shape
+  if top_k_index.ndim != 2 or top_k_index.shape[0] != tokens:
+    raise ValueError(f"top_k_index must be [{tokens}, K], got {top_k_index.shape}")
+  if top_k_weights.shape != top_k_index.shape:
+    raise ValueError(f"top_k_weights must have top_k_index's shape {top_k_index.shape}, "
+                     f"got {top_k_weights.shape}")
+  if not jnp.issubdtype(top_k_index.dtype, jnp.integer):
+    raise TypeError(f"top_k_index must be integer, got {top_k_index.dtype}")
+  for name, w in (("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
+    if w.ndim != 3 or w.shape[0] != num_experts:
+      raise ValueError(f"{name} must be [num_experts={num_experts}, ., .], got {w.shape}")
+  if activation not in GATED_ACTIVATIONS:
+    raise ValueError(f"activation must be one of {GATED_ACTIVATIONS}, got {activation!r}")
+  if activation == "gpt_oss" and not has_gate:
+    raise ValueError("activation 'gpt_oss' needs a gate (has_gate=True)")
+  top_k = top_k_index.shape[1]
+  kernel_args = dict(chip=chip, interpret=interpret)
+
+  # 1-3. flatten, sort by expert (placeholders to the tail), count per real expert.
+  expert_ids = top_k_index.reshape(-1).astype(jnp.int32)                 # [S]
+  perm = jnp.argsort(expert_ids, stable=True)                            # [S]
+  group_sizes = jnp.zeros((num_experts,), jnp.int32).at[expert_ids].add(1, mode="drop")
+  # 4. token rows in expert order.
+  x = jnp.take(hidden, perm // top_k, axis=0)                            # [S, H]
+
+  # 5. gate/up projection, activation fused.
+  if has_gate:
+    h = ragged_dot.gated_ragged_dot(
+        x, gate_up_weight, group_sizes, activation=activation,
+        layout="concatenated" if is_concatenated else "interleaved", alpha=alpha, limit=limit,
+        transpose_rhs=not is_transposed, rhs_scale=gate_up_scale, bias=gate_up_bias,
+        **kernel_args)                                                   # [S, I]
+  else:
+    h = ragged_dot.ragged_dot(
+        x, gate_up_weight, group_sizes, activation=activation, transpose_rhs=not is_transposed,
+        rhs_scale=gate_up_scale, bias=gate_up_bias, **kernel_args)        # [S, I]
+
+  # 6. down projection, kept in float32 for the weighted sum.
+  y = ragged_dot.ragged_dot(h, down_weight, group_sizes, transpose_rhs=not is_transposed,
+                            rhs_scale=down_scale, bias=down_bias, out_dtype=jnp.float32,
+                            **kernel_args)                               # [S, H] f32
+  if y.shape[1] != hidden_size:
+    raise ValueError(f"down_weight produces width {y.shape[1]}, hidden has {hidden_size}")
+
+  # 7. routing weights, back to token order, sum over the K experts of each token.
+  weights = jnp.take(top_k_weights.reshape(-1), perm).astype(jnp.float32)
+  y = y * weights[:, None]
+  inverse = jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
+  y = jnp.take(y, inverse, axis=0)                                       # pair order
+  return y.reshape(tokens, top_k, hidden_size).sum(axis=1).astype(hidden.dtype)
