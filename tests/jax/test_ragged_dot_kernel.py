@@ -1,0 +1,288 @@
+"""Grouped-matmul Pallas kernels in interpret mode against the float64 reference (JAX only).
+
+Interpret mode leaves output the kernel never writes as NaN, so the finiteness check
+in `assert_close` catches rows (rows past sum(group_sizes), other shards' rows, empty
+groups' weight gradients) that a kernel forgets to write.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import reference as ref
+from tpu_kernels import chips, ragged_dot as K, vmem
+
+NP = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+QUANT = {"int8": (jnp.int8, 127.0), "float8_e4m3fn": (jnp.float8_e4m3fn, 448.0)}
+# k / n: lane-aligned and not, below and above one 128 block.
+SIZES = [1, 3, 16, 100, 128, 130, 200, 256, 300]
+
+
+@st.composite
+def groupings(draw, max_m=80):
+  """(m, group_sizes, group_offset, num_local): sizes may be empty, and may sum below m."""
+  m = draw(st.integers(1, max_m))
+  num_total = draw(st.integers(1, 6))
+  num_local = draw(st.integers(1, num_total))
+  offset = draw(st.integers(0, num_total - num_local))
+  cuts = sorted(draw(st.lists(st.integers(0, m), min_size=num_total, max_size=num_total)))
+  sizes = np.diff([0] + cuts).astype(np.int32)   # sum = cuts[-1] <= m
+  return m, sizes, offset, num_local
+
+
+@st.composite
+def problems(draw, gated=False):
+  m, sizes, offset, num_local = draw(groupings())
+  p = dict(m=m, sizes=sizes, offset=offset, num_local=num_local,
+           k=draw(st.sampled_from(SIZES)),
+           dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+           transpose_rhs=draw(st.booleans()),
+           quant=draw(st.sampled_from([None, None, "int8", "float8_e4m3fn"])),
+           bias=draw(st.booleans()),
+           # None: the tiling's own choice (one block here); forced small blocks give
+           # several tiles, groups spanning tile boundaries and partial last blocks.
+           block_m=draw(st.sampled_from([None, 16, 32])),
+           block_k=draw(st.sampled_from([None, 128])),
+           block_n=draw(st.sampled_from([None, 128])),
+           seed=draw(st.integers(0, 2**31 - 1)))
+  if gated:
+    half = draw(st.sampled_from([1, 50, 128, 200]))
+    p.update(n=2 * half, layout=draw(st.sampled_from(K.LAYOUTS)),
+             activation=draw(st.sampled_from(K.GATED_ACTIVATIONS)))
+  else:
+    p.update(n=draw(st.sampled_from(SIZES)),
+             activation=draw(st.sampled_from([None, None, *K.SUPPORTED_ACTIVATIONS])))
+  return p
+
+
+def _inputs(p):
+  rng = np.random.default_rng(p["seed"])
+  dt = NP[p["dtype"]]
+  lhs = rng.standard_normal((p["m"], p["k"])).astype(dt)
+  wshape = ((p["num_local"], p["n"], p["k"]) if p["transpose_rhs"]
+            else (p["num_local"], p["k"], p["n"]))
+  rhs = (rng.standard_normal(wshape) / np.sqrt(p["k"])).astype(np.float32)
+  scale = None
+  if p["quant"]:
+    qdtype, qmax = QUANT[p["quant"]]
+    amax = np.abs(rhs).max(axis=2 if p["transpose_rhs"] else 1)        # (G, n)
+    scale = (np.maximum(amax, 1e-6) / qmax).astype(np.float32)
+    bscale = scale[:, :, None] if p["transpose_rhs"] else scale[:, None, :]
+    q = rhs / bscale
+    rhs = np.round(q).astype(np.int8) if p["quant"] == "int8" else q.astype(ml_dtypes.float8_e4m3fn)
+  else:
+    rhs = rhs.astype(dt)
+  bias = (0.5 * rng.standard_normal((p["num_local"], p["n"]))).astype(dt) if p["bias"] else None
+  return lhs, rhs, scale, bias
+
+
+def _legal(p, dtype_sub):
+  block_m = p["block_m"] if p["block_m"] is None or p["block_m"] % dtype_sub == 0 else None
+  return dict(block_m=block_m, block_k=p["block_k"], block_n=p["block_n"])
+
+
+def _call(p, lhs, rhs, scale, bias, **extra):
+  j = lambda a: None if a is None else jnp.asarray(a)
+  kw = dict(group_offset=p["offset"], transpose_rhs=p["transpose_rhs"], rhs_scale=j(scale),
+            bias=j(bias), interpret=True, **_legal(p, vmem.sublane_multiple(lhs.dtype)),
+            **extra)
+  gs = jnp.asarray(p["sizes"])
+  if "layout" in p:
+    return lambda x, w, b: K.gated_ragged_dot(
+        x, w, gs, activation=p["activation"], layout=p["layout"],
+        **{**kw, "bias": b})
+  return lambda x, w, b: K.ragged_dot(x, w, gs, activation=p["activation"],
+                                      **{**kw, "bias": b})
+
+
+def _reference(p, lhs, rhs, scale, bias):
+  common = dict(group_offset=p["offset"], transpose_rhs=p["transpose_rhs"], scale=scale,
+                bias=bias)
+  if "layout" in p:
+    return dict(gated_name=p["activation"], layout=p["layout"], **common)
+  return dict(activation_name=p["activation"], **common)
+
+
+def _check_forward(p):
+  lhs, rhs, scale, bias = _inputs(p)
+  fn = _call(p, lhs, rhs, scale, bias)
+  out = fn(jnp.asarray(lhs), jnp.asarray(rhs), None if bias is None else jnp.asarray(bias))
+  assert out.dtype == lhs.dtype
+  expected = ref.ragged_dot(lhs, rhs, p["sizes"], **_reference(p, lhs, rhs, scale, bias))
+  ref.assert_close(out, expected, ref.RAGGED_TOLERANCE[p["dtype"]], f"out {p}")
+  # Rows of no local group are exact zeros, whatever the tolerance.
+  ids = ref.local_row_groups(p["sizes"], p["offset"], p["num_local"], p["m"])
+  assert not np.asarray(out, np.float64)[ids >= p["num_local"]].any()
+
+
+@given(problems())
+def test_ragged_dot_matches_reference(p):
+  _check_forward(p)
+
+
+@given(problems(gated=True))
+def test_gated_ragged_dot_matches_reference(p):
+  _check_forward(p)
+
+
+@given(problems(), st.booleans())
+def test_gradients_match_reference(p, gated):
+  if gated:   # a gated problem: the same draw, with an even n and a gated activation
+    p = {**p, "n": 2 * max(p["n"] // 2, 1), "layout": "interleaved" if p["seed"] % 2 else
+         "concatenated", "activation": K.GATED_ACTIVATIONS[p["seed"] % len(K.GATED_ACTIVATIONS)]}
+  lhs, rhs, scale, bias = _inputs(p)
+  fn = _call(p, lhs, rhs, scale, bias)
+  rng = np.random.default_rng(p["seed"] + 1)
+  n_out = p["n"] // 2 if gated else p["n"]
+  grad_out = rng.standard_normal((p["m"], n_out)).astype(NP[p["dtype"]])
+  quantized = p["quant"] is not None
+  args = [jnp.asarray(lhs), jnp.asarray(rhs), None if bias is None else jnp.asarray(bias)]
+  argnums = (0, 2) if quantized else (0, 1, 2)
+  if bias is None:
+    argnums = argnums[:-1]
+  loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * jnp.asarray(grad_out, jnp.float32))
+  grads = jax.grad(loss, argnums)(*args)
+  d_lhs, d_w, d_bias = ref.ragged_dot_grads(lhs, rhs, p["sizes"], grad_out,
+                                            **_reference(p, lhs, rhs, scale, bias))
+  expected = {0: d_lhs, 1: d_w, 2: d_bias}
+  tol = ref.RAGGED_GRAD_TOLERANCE[p["dtype"]]
+  for i, g in zip(argnums, grads):
+    assert g.dtype == args[i].dtype
+    ref.assert_close(g, expected[i], tol, f"grad {['lhs', 'rhs', 'bias'][i]} {p}")
+
+
+def test_rows_outside_local_groups_never_leak():
+  """NaN / inf in rows of other groups or past sum(group_sizes) stay out of the results."""
+  m, k, n = 40, 130, 70
+  sizes = np.array([6, 9, 0, 11], np.int32)    # sum 26 < m
+  rng = np.random.default_rng(0)
+  lhs = rng.standard_normal((m, k)).astype(np.float32)
+  lhs[:6] = np.nan                                   # group 0: another shard's
+  lhs[26:] = np.inf                                  # past the end
+  rhs = rng.standard_normal((2, k, n)).astype(np.float32)
+  gs = jnp.asarray(sizes)
+  fn = lambda x, w: K.ragged_dot(x, w, gs, group_offset=1, interpret=True, block_m=8,
+                                 block_k=128)
+  out = np.asarray(fn(jnp.asarray(lhs), jnp.asarray(rhs)))
+  expected = ref.ragged_dot(np.nan_to_num(lhs, posinf=0.0), rhs, sizes, group_offset=1)
+  ref.assert_close(out, expected, ref.RAGGED_TOLERANCE["float32"], "out")
+  assert not out[:6].any() and not out[15:].any()
+  d_lhs, d_rhs = jax.grad(lambda x, w: jnp.sum(fn(x, w)), (0, 1))(jnp.asarray(lhs),
+                                                               jnp.asarray(rhs))
+  assert np.isfinite(np.asarray(d_rhs)).all()
+  assert not np.asarray(d_lhs)[:6].any() and not np.asarray(d_lhs)[15:].any()
+  assert not np.asarray(d_rhs)[1].any()   # the empty group's gradient is exactly 0
+
+
+@given(groupings(max_m=300), st.sampled_from([8, 16, 64, 128]), st.booleans())
+def test_visit_table_covers_every_tile_once_in_order(grouping, block_m, zero_visits):
+  m, sizes, offset, num_local = grouping
+  table, num_visits = K.group_metadata(jnp.asarray(sizes), offset,
+                                       num_local_groups=num_local, m=m, block_m=block_m,
+                                       num_k_tiles=3, zero_visits=zero_visits)
+  num_v = K.max_visits(m, block_m, num_local)
+  table = np.asarray(table).reshape(K._NUM_FIELDS, num_v)[:, : int(num_visits)]
+  group, tile, start, end = table[K._GROUP], table[K._TILE], table[K._ROW_START], table[K._ROW_END]
+  ids = ref.local_row_groups(sizes, offset, num_local, m)
+  tiles_m = -(-m // block_m)
+  assert (np.diff(tile) >= 0).all() and tile.min() >= 0 and tile.max() < tiles_m
+  for v in range(table.shape[1]):
+    if group[v] < num_local:   # a real visit: its rows are exactly its group's rows in the tile
+      rows = np.arange(tile[v] * block_m, min((tile[v] + 1) * block_m, m))
+      mine = rows[(rows >= start[v]) & (rows < end[v])]
+      assert (ids[mine] == group[v]).all()
+  # Every row of a local group is covered by exactly one visit of its group.
+  covered = np.zeros(m, int)
+  for v in range(table.shape[1]):
+    if group[v] < num_local:
+      lo, hi = max(start[v], tile[v] * block_m), min(end[v], (tile[v] + 1) * block_m)
+      covered[lo:hi] += 1
+  assert (covered == (ids < num_local)).all()
+  if zero_visits:
+    assert set(tile) == set(range(tiles_m))          # every output tile is written
+    assert (np.diff(group[group < num_local]) >= 0).all()
+  else:
+    assert set(group) == set(range(num_local))       # every group's gradient is written
+    assert (np.diff(group) >= 0).all()
+
+
+def test_empty_problems():
+  gs = jnp.asarray([0, 0], jnp.int32)
+  out = K.ragged_dot(jnp.zeros((0, 8)), jnp.ones((2, 8, 5)), gs, interpret=True)
+  assert out.shape == (0, 5)
+  out = K.ragged_dot(jnp.ones((4, 8)), jnp.ones((2, 8, 5)), gs, interpret=True)
+  assert out.shape == (4, 5) and not np.asarray(out).any()
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: K.ragged_dot(jnp.ones((4, 8)), jnp.ones((2, 9, 5)), jnp.ones(2, jnp.int32)), "k=8"),
+    (lambda: K.ragged_dot(jnp.ones((4, 8)), jnp.ones((2, 8, 5), jnp.bfloat16),
+                          jnp.ones(2, jnp.int32)), "no silent casts"),
+    (lambda: K.ragged_dot(jnp.ones((4, 8)), jnp.ones((2, 8, 5)), jnp.ones(2)), "int32"),
+    (lambda: K.ragged_dot(jnp.ones((4, 8)), jnp.ones((3, 8, 5)), jnp.ones(2, jnp.int32)),
+     "fewer than"),
+    (lambda: K.ragged_dot(jnp.ones((4, 8)), jnp.ones((2, 8, 5), jnp.int8),
+                          jnp.ones(2, jnp.int32)), "rhs_scale"),
+    (lambda: K.ragged_dot(jnp.ones((4, 8)), jnp.ones((2, 8, 5)), jnp.ones(2, jnp.int32),
+                          bias=jnp.ones((2, 4))), "bias must have shape"),
+    (lambda: K.ragged_dot(jnp.ones((4, 8)), jnp.ones((2, 8, 5)), jnp.ones(2, jnp.int32),
+                          activation="swish"), "activation"),
+    (lambda: K.gated_ragged_dot(jnp.ones((4, 8)), jnp.ones((2, 8, 5)),
+                                jnp.ones(2, jnp.int32)), "even"),
+    (lambda: K.gated_ragged_dot(jnp.ones((4, 8)), jnp.ones((2, 8, 6)), jnp.ones(2, jnp.int32),
+                                layout="blocked"), "layout"),
+    (lambda: K.ragged_dot(jnp.ones((4, 8), jnp.float16), jnp.ones((2, 8, 5), jnp.float16),
+                          jnp.ones(2, jnp.int32)), "float32 or bfloat16"),
+    (lambda: K.ragged_dot(jnp.ones((4, 8)), jnp.ones((2, 8, 5)), jnp.ones(2, jnp.int32),
+                          vmem_limit_bytes=10**12), "exceeds"),
+])
+def test_bad_input_gives_clear_error(call, message):
+  with pytest.raises((ValueError, TypeError), match=message):
+    call()
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "v5p", "v7"])
+@pytest.mark.parametrize("m, k, n, groups", [
+    (8, 2048, 768, 128), (65536, 2048, 768, 128), (512, 4096, 14336, 8),
+    (65536, 14336, 4096, 8), (4096, 2880, 2880, 32), (1, 1, 1, 1)])
+def test_default_tiles_fit_the_chip_budget(chip, m, k, n, groups):
+  c = chips.get_chip(chip)
+  for dtype, rhs_dtype, num_rhs in [(jnp.bfloat16, jnp.bfloat16, 1), (jnp.bfloat16, jnp.bfloat16, 2),
+                                    (jnp.bfloat16, jnp.int8, 2), (jnp.float32, jnp.float32, 1)]:
+    t = K.gmm_tiling(m, k, n, num_groups=groups, lhs_dtype=dtype, rhs_dtype=rhs_dtype,
+                     out_dtype=dtype, num_rhs=num_rhs, chip=chip)
+    assert t.vmem_limit_bytes == c.default_scoped_vmem_bytes
+    assert t.vmem_plan_bytes <= vmem.vmem_budget(c, None)
+    assert t.block_m == m or t.block_m % vmem.sublane_multiple(dtype) == 0
+    assert t.block_k == k or t.block_k % 128 == 0
+    assert t.block_n == n or t.block_n % 128 == 0
+  t = K.tgmm_tiling(m, k, n, num_groups=groups, lhs_dtype=jnp.bfloat16,
+                    grad_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip=chip)
+  assert t.vmem_plan_bytes <= vmem.vmem_budget(c, None)
+
+
+def test_concatenated_gate_up_blocks_divide_the_half():
+  t = K.gmm_tiling(4096, 2048, 768, num_groups=128, lhs_dtype=jnp.bfloat16,
+                   rhs_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, num_rhs=2,
+                   n_must_divide=768, chip="v5e")
+  assert 768 % t.block_n == 0
+
+
+def test_decode_rows_get_small_tiles_and_prefill_large():
+  decode = K.gmm_tiling(64, 2048, 768, num_groups=128, lhs_dtype=jnp.bfloat16,
+                        rhs_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip="v6e")
+  prefill = K.gmm_tiling(65536, 2048, 768, num_groups=128, lhs_dtype=jnp.bfloat16,
+                         rhs_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip="v6e")
+  assert decode.block_m == 16 and prefill.block_m == K.MAX_BLOCK_M
+  assert decode.block_k == 2048   # whole k: weights fetched once per group
+
+
+def test_vmem_limit_is_passed_through():
+  t = K.gmm_tiling(4096, 2048, 768, num_groups=8, lhs_dtype=jnp.bfloat16,
+                   rhs_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip="v6e",
+                   vmem_limit_bytes=64 * vmem.MiB)
+  assert t.vmem_limit_bytes == 64 * vmem.MiB
+  assert t.vmem_plan_bytes <= 32 * vmem.MiB
