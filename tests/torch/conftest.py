@@ -54,3 +54,17 @@ def rms(local_kernels_env, repo_id):
 def rms_ops(rms):
   """The custom ops of the loaded rms-norm-tpu build (for opcheck)."""
   return sys.modules[f"{rms.__name__}._custom_ops"]
+
+
+@pytest.fixture(scope="session")
+def ragged(local_kernels_env, repo_id):
+  """The ragged-dot-tpu kernel, loaded as a user would: get_kernel(repo, version=1)."""
+  from kernels import get_kernel
+
+  return get_kernel(repo_id("ragged-dot-tpu"), version=1)
+
+
+@pytest.fixture(scope="session")
+def ragged_ops(ragged):
+  """The custom ops of the loaded ragged-dot-tpu build (for opcheck)."""
+  return sys.modules[f"{ragged.__name__}._custom_ops"]
