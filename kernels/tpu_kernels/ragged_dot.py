@@ -360,13 +360,10 @@ def _field(table_ref, field, v, num_v):
   return table_ref[field * num_v + v]
 
 
-def _mask_k_tail(x, axis, k_rem, is_last_k):
-  """Zero the part of a k block past the array end (stale VMEM, maybe NaN)."""
-  if k_rem == 0:
-    return x
+def _mask_k_tail(x, axis, k_rem):
+  """Zero the part of the last k block past the array end (stale VMEM, maybe NaN)."""
   idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
-  return jnp.where(jnp.logical_or(jnp.logical_not(is_last_k), idx < k_rem), x,
-                   jnp.zeros_like(x))
+  return jnp.where(idx < k_rem, x, jnp.zeros_like(x))
 
 
 def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has_scale, has_bias,
@@ -389,16 +386,24 @@ def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has
     for acc in acc_refs:
       acc[...] = jnp.zeros_like(acc)
 
-  @pl.when(real)
-  def _():
-    x = _mask_k_tail(lhs_ref[...], 1, k_rem, kk == last_k)
+  def accumulate(masked):
+    x = lhs_ref[...]
+    if masked:
+      x = _mask_k_tail(x, 1, k_rem)
     for rhs_ref, acc in zip(rhs_refs, acc_refs):
       w = rhs_ref[...]
       if w.dtype != compute_dtype:   # int8 / fp8 weights: exact in bf16 and f32
-        w = w.astype(jnp.float32).astype(compute_dtype)
-      w = _mask_k_tail(w, 1 if transpose_rhs else 0, k_rem, kk == last_k)
+        w = w.astype(compute_dtype)
+      if masked:
+        w = _mask_k_tail(w, 1 if transpose_rhs else 0, k_rem)
       dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
       acc[...] += jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+  if k_rem:   # mask only the last k block; the others go straight to the MXU
+    pl.when(jnp.logical_and(real, kk < last_k))(lambda: accumulate(False))
+    pl.when(jnp.logical_and(real, kk == last_k))(lambda: accumulate(True))
+  else:
+    pl.when(real)(lambda: accumulate(False))
 
   @pl.when(kk == last_k)
   def _():
