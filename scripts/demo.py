@@ -8,7 +8,10 @@ and show that every kernel compiles for each TPU generation.
    loader (LOCAL_KERNELS points the repo id at dist/, since the Hub is not reachable here).
 3. A tiny randomly initialised Qwen3 model is kernelized (its RMSNorms run the Pallas
    kernel, in interpret mode on this CPU) and generates tokens next to the stock model.
-4. Each kernel is compiled ahead of time with libtpu for v5e / v6e / v5p (no TPU needed).
+4. `get_kernel("<org>/ragged-dot-tpu", version=1)` is registered as a Transformers experts
+   implementation; a tiny randomly initialised Qwen3-MoE generates with it (grouped matmul
+   kernels in interpret mode) next to the stock "eager" experts.
+5. Each kernel is compiled ahead of time with libtpu for v5e / v6e / v5p (no TPU needed).
 Exits non-zero if the tokens differ or a compile fails.
 """
 
@@ -24,6 +27,42 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import build  # noqa: E402
+
+
+def tiny_qwen3_moe(dtype):
+  """A 2-layer Qwen3-MoE (hidden 64, 8 experts of width 32, top-2), random weights, eval."""
+  import torch
+  from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+  config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=64,
+                          moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, max_position_embeddings=128, pad_token_id=0,
+                          bos_token_id=1, eos_token_id=2)
+  torch.manual_seed(0)
+  return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def moe_generates_like_stock(repo_id: str, prompt) -> bool:
+  """The user flow of ragged-dot-tpu: register experts_forward, generate, compare."""
+  import torch
+  from kernels import get_kernel
+  from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+  ragged = get_kernel(repo_id, version=1)
+  ALL_EXPERTS_FUNCTIONS.register("tpu_ragged_dot", ragged.experts_forward)
+  print(f"   loaded {ragged.__name__}; registered experts implementation 'tpu_ragged_dot'")
+  model = tiny_qwen3_moe(torch.float32)
+  start = time.perf_counter()
+  model.set_experts_implementation("eager")
+  expected = model.generate(prompt, max_new_tokens=8, do_sample=False)
+  model.set_experts_implementation("tpu_ragged_dot")
+  got = model.generate(prompt, max_new_tokens=8, do_sample=False)
+  same = torch.equal(got, expected)
+  print(f"   stock experts:  {expected[0, prompt.shape[1]:].tolist()}")
+  print(f"   ragged_dot:     {got[0, prompt.shape[1]:].tolist()}  "
+        f"{'MATCH' if same else 'MISMATCH'} ({time.perf_counter() - start:.1f} s)")
+  return same
 
 
 def main(argv=None) -> int:
@@ -63,7 +102,12 @@ def main(argv=None) -> int:
   print(f"   kernelized: {got[0, prompt.shape[1]:].tolist()}  "
         f"{'MATCH' if same else 'MISMATCH'} ({time.perf_counter() - start:.1f} s)")
 
-  print("== 4. ahead-of-time compiles with libtpu (the real TPU compiler; no TPU here)")
+  print(f"== 4. get_kernel('{org}/ragged-dot-tpu', version=1) as the experts of a tiny "
+        "Qwen3-MoE (random weights)")
+  same_moe = moe_generates_like_stock(f"{org}/ragged-dot-tpu", prompt)
+  same = same and same_moe
+
+  print("== 5. ahead-of-time compiles with libtpu (the real TPU compiler; no TPU here)")
   import aot_summary
 
   compile_failures = aot_summary.main()
