@@ -123,7 +123,8 @@ def test_model_matches_eager_forward_and_backward(registered, family, dtype):
 
 def _direct_experts(kind: str, dtype=torch.float32, seed=0):
   """A Transformers experts module with random weights: 'no_gate' (Nemotron-H style),
-  'qwen' (default layout), 'gpt_oss' (transposed, interleaved, biased)."""
+  'qwen' (default layout), 'gemma4' (GELU-tanh gate), 'gpt_oss' (transposed, interleaved,
+  biased)."""
   import transformers as tr
   from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
   from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
@@ -134,6 +135,12 @@ def _direct_experts(kind: str, dtype=torch.float32, seed=0):
     config = tr.NemotronHConfig(hidden_size=48, moe_intermediate_size=24, n_routed_experts=6,
                                 mlp_hidden_act="relu2")
     module = NemotronHExperts(config)
+  elif kind == "gemma4":
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
+
+    module = Gemma4TextExperts(tr.Gemma4TextConfig(hidden_size=48, moe_intermediate_size=24,
+                                                   num_experts=6,
+                                                   hidden_activation="gelu_pytorch_tanh"))
   elif kind == "qwen":
     module = Qwen3MoeExperts(tr.Qwen3MoeConfig(hidden_size=48, moe_intermediate_size=24,
                                                num_experts=6))
@@ -148,8 +155,8 @@ def _direct_experts(kind: str, dtype=torch.float32, seed=0):
 
 
 def _numpy_reference(module, hidden, index, weights):
-  activation = "gpt_oss" if type(module).__name__ == "GptOssExperts" else (
-      "relu2" if not module.has_gate else "silu")
+  activation = {"GptOssExperts": "gpt_oss", "NemotronHExperts": "relu2",
+                "Gemma4TextExperts": "gelu_tanh"}.get(type(module).__name__, "silu")
   up = "gate_up_proj" if module.has_gate else "up_proj"
   gu_scale, dn_scale = getattr(module, f"{up}_scale", None), getattr(module, "down_proj_scale",
                                                                     None)
@@ -171,7 +178,7 @@ def _routing(tokens, num_experts, top_k, gen, placeholders=0):
   return index, weights   # index int64, as Transformers routers produce
 
 
-@pytest.mark.parametrize("kind", ["no_gate", "qwen", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["no_gate", "qwen", "gemma4", "gpt_oss"])
 def test_direct_experts_with_placeholder_ids(registered, kind):
   """Expert-parallel placeholders (ids >= num_experts) contribute nothing; the rest matches
   the float64 reference and Transformers' grouped_mm path (both handle placeholders)."""
