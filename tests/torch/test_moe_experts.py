@@ -306,3 +306,51 @@ def test_unsupported_modules_raise(registered):
     registered.experts_forward(_direct_experts("qwen"), hidden.double(), index, weights)
   with pytest.raises(TypeError, match="top_k_index must be int32 or int64"):
     registered.experts_forward(_direct_experts("qwen"), hidden, index.float(), weights)
+
+
+def test_tpu_branch_passes_int32_ids_and_statics(registered, monkeypatch):
+  """On "tpu" tensors the experts op goes to TorchTPU's jax_op (a stand-in here: no TPU)
+  with int32 ids, (0,) placeholders for absent tensors, the statics, chip and
+  interpret=False."""
+  import sys
+  import types
+
+  calls = []
+
+  def jax_op(qualname, fn):
+    def op(*tensors, **kwargs):
+      calls.append((qualname, tensors, kwargs))
+      return torch.zeros_like(tensors[0])
+    return op
+
+  pallas = types.ModuleType("torch.tpu.pallas")
+  pallas.jax_op = jax_op
+  tpu = types.ModuleType("torch.tpu")
+  tpu.pallas = pallas
+  tpu.get_device_name = lambda device=None: "TPU v6e"
+  monkeypatch.setattr(torch, "tpu", tpu, raising=False)
+  monkeypatch.setitem(sys.modules, "torch.tpu", tpu)
+  monkeypatch.setitem(sys.modules, "torch.tpu.pallas", pallas)
+  dispatch = sys.modules[f"{registered.__name__}._shim.dispatch"]
+  monkeypatch.setattr(dispatch, "device_type_of", lambda op, tensors: "tpu")
+  monkeypatch.delenv(dispatch.CHIP_ENV_VAR, raising=False)
+  dispatch.tpu_chip_name.cache_clear()
+  ops = sys.modules[f"{registered.__name__}._custom_ops"]
+  monkeypatch.setattr(ops, "_experts_forward", dispatch.JaxKernel(
+      ops._experts_forward.qualname + "_probe", ops._experts_forward.module,
+      ops._experts_forward.function, cpu_chip="v6e"))
+  try:
+    module = _direct_experts("qwen")
+    hidden = torch.randn(3, 48)
+    index, weights = _routing(3, 6, 2, torch.Generator().manual_seed(8))
+    with torch.no_grad():
+      registered.experts_forward(module, hidden, index, weights)
+  finally:
+    dispatch.tpu_chip_name.cache_clear()
+  (qualname, tensors, kwargs), = calls
+  assert qualname.endswith("::experts_probe_tpu_jax")
+  assert tensors[1].dtype == torch.int32 and torch.equal(tensors[1], index.to(torch.int32))
+  assert [tuple(t.shape) for t in tensors[5:]] == [(0,)] * 4   # no biases, no scales
+  assert kwargs == dict(num_experts=6, has_gate=True, is_transposed=False,
+                        is_concatenated=True, activation="silu", alpha=1.702, limit=7.0,
+                        chip="v6e", interpret=False)

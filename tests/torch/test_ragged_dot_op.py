@@ -255,3 +255,24 @@ def test_import_does_not_import_jax(dist_dir):
       "assert 'jax' in sys.modules and 'torch_tpu' not in sys.modules; print('ok')")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
   assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_every_entry_point_satisfies_jax_op_contract(ragged):
+  """TorchTPU's jax_op needs every parameter annotated: tensors as jax.Array, statics as
+  plain types, and chip / interpret (filled in by the shim)."""
+  import importlib
+  import inspect
+  import sys
+
+  import jax
+
+  functions = importlib.import_module(f"{ragged.__name__}._jax_functions")
+  ops = sys.modules[f"{ragged.__name__}._custom_ops"]
+  for kernel in (ops._ragged_forward, ops._ragged_backward, ops._experts_forward,
+                 ops._experts_backward):
+    signature = inspect.signature(getattr(functions, kernel.function), eval_str=True)
+    params = signature.parameters
+    assert {"chip", "interpret"} <= set(params), kernel.function
+    assert all(p.annotation in (jax.Array, int, float, str, bool) for p in params.values())
+    ret = signature.return_annotation
+    assert ret is jax.Array or all(a is jax.Array for a in ret.__args__), kernel.function
