@@ -4,6 +4,11 @@
 
 Each case is compiled with libtpu for every chip that has an AOT topology (no TPU
 needed; run with JAX_PLATFORMS=cpu). Later kernels add their cases to CASES.
+
+The script prints CASES, the full table (the grouped matmul at the real shapes of
+Qwen3-30B-A3B, Mixtral-8x7B and gpt-oss-20b, m = 8 .. 65536, forward and backward, and
+quantized weights: about 4 minutes for three chips). The main job (scripts/demo.py)
+calls main() and gets DEMO_CASES, a representative slice of it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from tpu_kernels import aot, chips, rms_norm  # noqa: E402
+
+import ragged_dot_cases  # noqa: E402  (scripts/, next to this file)
 
 S = jax.ShapeDtypeStruct
 
@@ -49,33 +56,46 @@ def _rms_case(rows, hidden, dtype, label):
   return Case("rms-norm-tpu", label, build, plan)
 
 
-CASES = [
+def _ragged_case(program: ragged_dot_cases.Program) -> Case:
+  return Case("ragged-dot-tpu", program.label, program.build, program.plan)
+
+
+RMS_CASES = [
     _rms_case(8192, 4096, jnp.bfloat16, "fused add+norm fwd+bwd, bf16[8192, 4096] (Llama-8B)"),
     _rms_case(8, 4096, jnp.bfloat16, "fused add+norm fwd+bwd, bf16[8, 4096] (decode)"),
     _rms_case(65536, 2880, jnp.bfloat16, "fused add+norm fwd+bwd, bf16[65536, 2880] (gpt-oss)"),
     _rms_case(4096, 16384, jnp.float32, "fused add+norm fwd+bwd, f32[4096, 16384] (Llama-405B)"),
 ]
+RAGGED_CASES = [_ragged_case(p) for p in ragged_dot_cases.all_programs()]
+CASES = RMS_CASES + RAGGED_CASES
+# The main job's slice: decode (m=64) backward of Qwen3-30B-A3B (each holds the forward kernel).
+DEMO_CASES = RMS_CASES + [
+    _ragged_case(p) for p in ragged_dot_cases.model_programs("qwen3-30b-a3b", 64, ("bwd",))]
 
 
-def summary(cases=CASES, chip_names=None) -> list[tuple[Case, str, aot.CompileReport]]:
+def iter_summary(cases=CASES, chip_names=None):
+  """(case, chip, report) per case and chip, compiled as the caller iterates."""
   chip_names = chip_names or [c.name for c in chips.CHIPS.values() if c.aot_topology]
-  results = []
   for case in cases:
     for chip in chip_names:
       fn, specs = case.build(chip)
-      results.append((case, chip, aot.compile_for_chip(fn, specs, chip)))
-  return results
+      yield case, chip, aot.compile_for_chip(fn, specs, chip)
 
 
-def main() -> int:
+def summary(cases=CASES, chip_names=None) -> list[tuple[Case, str, aot.CompileReport]]:
+  return list(iter_summary(cases, chip_names))
+
+
+def main(cases=None) -> int:
+  """Prints one line per (case, chip); cases default to DEMO_CASES (the main job's)."""
   failed = 0
-  for case, chip, report in summary():
+  for case, chip, report in iter_summary(DEMO_CASES if cases is None else cases):
     plan = f"  [{case.plan(chip)}]" if case.plan and report.ok else ""
-    print(f"{case.kernel:14s} {case.label:55s} {report.summary()}{plan}")
+    print(f"{case.kernel:14s} {case.label:55s} {report.summary()}{plan}", flush=True)
     failed += not report.ok
   print(f"v7: not compiled (libtpu 0.0.42 has no v7 topology); its tiling follows the chip table.")
   return 1 if failed else 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(main(CASES))

@@ -1,0 +1,111 @@
+"""Every default grouped-matmul configuration compiles ahead of time for v5e and v6e.
+
+Real shapes of three MoE models, with Transformers' expert weight layouts:
+
+  * Qwen3-30B-A3B: 128 experts, hidden 2048, expert width 768; gate_up (G, 2I, H),
+    down (G, H, I) -> transpose_rhs=True, silu, concatenated gate/up.
+  * Mixtral-8x7B: 8 experts, hidden 4096, expert width 14336 (same layout).
+  * gpt-oss-20b: 32 experts, hidden 2880, expert width 2880; gate_up (G, H, 2I) with
+    interleaved gate/up columns and bias, down (G, I, H) with bias -> transpose_rhs=False,
+    gpt-oss's clamped gate.
+
+for m (token-expert rows) in {8, 64, 512, 4096, 65536}, bf16: the backward of gate/up and
+of down (jax.grad of 0.5 * sum(out^2) w.r.t. lhs, the weight and the bias). The loss
+needs the output, so each backward program also holds the forward kernel, the very
+pallas_call (same tiling) that inference runs: one compile covers forward and backward
+(the forward-only programs add no Mosaic kernel and are left to
+`python scripts/aot_summary.py`, which compiles them too). Plus int8 and float8_e4m3fn
+weights (forward) at one m per model.
+Each program is compiled by libtpu (Mosaic, then LLO), which rejects illegal blocks and
+scoped-VMEM overflow. Checked per program: it compiles, it holds the expected number of
+Mosaic kernels, and the scoped-VMEM limit it compiled under is the one the kernel's own
+tiling asked for and within the chip's allowance. The tiling of every case is written
+to the test report (`record_property`) and printed by `python scripts/aot_summary.py`.
+
+One test per (model, chip) compiles the 10 programs of that model (1-13 s each; gpt-oss's
+interleaved gate/up is the slowest), spread over up to two worker processes (libtpu's
+compile is single-threaded; the test run itself is serial).
+"""
+
+import concurrent.futures
+import multiprocessing
+import os
+import re
+
+import jax
+import pytest
+
+from ragged_dot_cases import (AOT_CHIPS, MODELS, QUANT_M, ROWS, compile_case, model_programs,
+                              quantized_programs)
+from tpu_kernels import aot, chips
+
+pytestmark = pytest.mark.aot
+
+
+def _check(program, report, chip):
+  what = f"{program.label} on {chip}"
+  assert report.ok, f"{what}: {report.error}"
+  assert report.num_kernels == program.num_kernels, (
+      f"{what}: {report.num_kernels} Mosaic kernels, expected {program.num_kernels}")
+  limit = max(t.vmem_limit_bytes for _, t in program.tilings(chip))
+  assert report.scoped_vmem_bytes == limit, (
+      f"{what}: compiled under {report.scoped_vmem_bytes} bytes of scoped VMEM, "
+      f"the tiling asked for {limit}")
+  assert report.scoped_vmem_bytes <= chips.get_chip(chip).max_vmem_limit_bytes, what
+  for name, t in program.tilings(chip):
+    assert t.vmem_plan_bytes <= t.vmem_limit_bytes, f"{what} {name}: {t}"
+
+
+@pytest.fixture(scope="module")
+def pool():
+  """Compiles in spawned workers (each loads its own libtpu; ALLOW_MULTIPLE_LIBTPU_LOAD=1
+  is set by conftest and inherited, as are JAX_PLATFORMS=cpu and sys.path)."""
+  workers = max(1, min(2, os.cpu_count() or 1))
+  with concurrent.futures.ProcessPoolExecutor(
+      workers, mp_context=multiprocessing.get_context("spawn")) as executor:
+    yield executor
+
+
+def _compile_and_check(pool, programs, chip, record_property):
+  futures = [pool.submit(compile_case, p, chip) for p in programs]
+  failures = []
+  for program, future in zip(programs, futures):
+    report = future.result()
+    record_property(f"{program.label} {chip}", program.plan(chip))
+    try:
+      _check(program, report, chip)
+    except AssertionError as e:   # survey the whole matrix, then fail with every case
+      failures.append(str(e))
+  assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_model_shapes_compile_bf16(pool, model, chip, record_property):
+  programs = [p for m in ROWS for p in model_programs(model, m, directions=("bwd",))]
+  _compile_and_check(pool, programs, chip, record_property)
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_quantized_weights_compile(pool, model, chip, record_property):
+  _compile_and_check(pool, quantized_programs(model, QUANT_M), chip, record_property)
+
+
+@pytest.mark.parametrize("m", [8, 65536])
+def test_backward_program_holds_the_forward_kernel(m):
+  """What lets the matrix skip forward-only compiles: every Mosaic kernel of the forward
+  program (its serialized body, grid, blocks and compiler params, i.e. the backend
+  config of the tpu_custom_call) appears verbatim in the backward program. Lowering
+  only (no libtpu compile): about 0.3 s per program."""
+  device = aot.topology_device("v6e")
+  for model in MODELS:
+    fwd, _, bwd, _ = model_programs(model, m)
+    configs = []
+    for program in (fwd, bwd):
+      fn, specs = program.build("v6e")
+      text = jax.jit(fn).trace(*[aot._on_device(s, device) for s in specs]).lower().as_text()
+      configs.append([re.search(r'backend_config = "([^"]*)"', line).group(1)
+                      for line in text.splitlines() if "@tpu_custom_call" in line])
+    assert len(configs[0]) == fwd.num_kernels and len(configs[1]) == bwd.num_kernels
+    assert configs[0][0] in configs[1], f"{model} m={m}: forward kernel not in backward"
