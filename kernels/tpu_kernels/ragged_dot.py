@@ -638,8 +638,18 @@ def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
     return _gmm_call(lhs, ops(rhs), ops(scale), ops(bias), group_sizes, group_offset, t,
                      n_out=half, transpose_rhs=st.transpose_rhs, epilogue=epilogue,
                      out_dtype=out_dtype, interpret=st.interpret)
-  # Interleaved columns (gpt-oss) or halves not a multiple of 128: split in XLA (copies
-  # the weights once per call; callers that run many steps can split them once).
+  # Interleaved columns (gpt-oss), or halves that are not whole 128-lane blocks: gate and
+  # up cannot be addressed as blocks of one array. Either split the weights in XLA (a copy
+  # of all of them) or run the plain kernel to a float32 (m, 2I) intermediate and gate in
+  # XLA, whichever moves fewer bytes: at decode the intermediate is tiny next to the
+  # weights; at prefill the copy is the cheaper of the two.
+  intermediate_bytes = 2 * lhs.shape[0] * n_full * 4
+  if intermediate_bytes < rhs.size * rhs.dtype.itemsize:
+    z = _forward(lhs, rhs, None if scale is None else scale[:, 0], None if bias is None else
+                 bias[:, 0], group_sizes, group_offset, st, epilogue=Epilogue(),
+                 out_dtype=jnp.float32)
+    # Rows of no local group stay 0: every gated unit maps (0, 0) to 0.
+    return epilogue(*_split_columns(z, st.layout, half, 1)).astype(out_dtype)
   pairs = lambda a, axis: [] if a is None else list(zip(_split_columns(a, st.layout, half, axis),
                                                         (0, 0)))
   return _gmm(lhs, pairs(rhs, n_axis), pairs(scale, 2), pairs(bias, 2), group_sizes,

@@ -286,3 +286,27 @@ def test_vmem_limit_is_passed_through():
                    vmem_limit_bytes=64 * vmem.MiB)
   assert t.vmem_limit_bytes == 64 * vmem.MiB
   assert t.vmem_plan_bytes <= 32 * vmem.MiB
+
+
+@pytest.mark.parametrize("m, k, half, groups, fused", [
+    (8, 256, 64, 4, False),    # decode-like: gate in XLA on a small f32 intermediate
+    (64, 3, 8, 2, True),       # prefill-like: weights split in XLA, gated kernel
+])
+@pytest.mark.parametrize("activation", ["silu", "gpt_oss"])
+def test_interleaved_gate_up_picks_the_cheaper_route(m, k, half, groups, fused, activation):
+  rng = np.random.default_rng(m)
+  sizes = np.array([m // 2] + [m // (2 * (groups - 1))] * (groups - 1), np.int32)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = (rng.standard_normal((groups, k, 2 * half)) / np.sqrt(k)).astype(np.float32)
+  b = rng.standard_normal((groups, 2 * half)).astype(np.float32)
+  fn = lambda x, w, b: K.gated_ragged_dot(x, w, jnp.asarray(sizes), activation=activation,
+                                          layout="interleaved", bias=b, interpret=True)
+  jaxpr = str(jax.make_jaxpr(fn)(x, w, b))
+  assert ("ragged_dot_gated" in jaxpr) == fused
+  expected = ref.ragged_dot(x, w, sizes, bias=b, gated_name=activation, layout="interleaved")
+  ref.assert_close(fn(x, w, b), expected, ref.RAGGED_TOLERANCE["float32"], "out")
+  g = rng.standard_normal((m, half)).astype(np.float32)
+  grads = jax.grad(lambda *a: jnp.sum(fn(*a) * g), (0, 1, 2))(x, w, b)
+  for got, want, what in zip(grads, ref.ragged_dot_grads(
+      x, w, sizes, g, bias=b, gated_name=activation, layout="interleaved"), "xwb"):
+    ref.assert_close(got, want, ref.RAGGED_GRAD_TOLERANCE["float32"], what)
