@@ -14,6 +14,18 @@ roofline is max(flops / peak, minimum bytes / bandwidth); efficiency = roofline 
 prediction. The XLA baseline (plain jnp RMSNorm) is estimated the same way.
 These are static estimates, not measurements: nothing here ran on a TPU.
 
+Grouped matmul (ragged-dot-tpu, Qwen3-30B-A3B gate/up and down, balanced routing): the
+kernel's visit table lives in SMEM, which the estimator reads as zeros, so the kernel is
+built with a static visit count and its table made visible (benchmarks/ragged_estimate.py).
+Its estimator time grows faster than linearly with grid steps, so each case is estimated at
+two truncated visit counts (4 and 8 visits, identical per-visit work) and the kernel's
+cycles extrapolated linearly to the real count (exactly linear where checked: 4, 8, 16).
+The kernel takes the visit table as an input; the XLA ops that build it from group_sizes
+(group_metadata) are estimated apart ("glue", in a subprocess: on v5e the estimator aborts
+on their gather fusions) and added to the prediction where the estimator could rate them.
+The XLA baseline jax.lax.ragged_dot crashes the estimator (SIGSEGV), so it is rated by
+XLA's own cost_analysis()["optimal_seconds"], compiled in a subprocess without the flag.
+
 Writes <out>/estimates.jsonl and <out>/estimates.md. (Issue 6 grows this into the
 full estimator: anchors, autotuning, charts.)
 """
@@ -25,6 +37,8 @@ import dataclasses
 import functools
 import json
 import os
+import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -34,9 +48,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "kernels"))
 
 # The static profile must be requested before libtpu loads, i.e. before jax is imported.
-_PROFILE_DIR = tempfile.mkdtemp(prefix="static_llo_profile_")
-os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
-                                  f" --xla_jf_dump_static_llo_profile_to={_PROFILE_DIR}")
+# (Not in the subprocess that rates XLA's ragged_dot by cost_analysis: the flag crashes it.)
+if os.environ.get("ESTIMATE_STATIC_PROFILE", "1") == "1":
+  _PROFILE_DIR = tempfile.mkdtemp(prefix="static_llo_profile_")
+  os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
+                                    f" --xla_jf_dump_static_llo_profile_to={_PROFILE_DIR}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -44,6 +60,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tpu_kernels import aot, chips, rms_norm  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import ragged_estimate  # noqa: E402
 
 S = jax.ShapeDtypeStruct
 
@@ -80,13 +99,151 @@ def rms_norm_cases(rows: int, hidden: int, dtype=jnp.bfloat16) -> list[Case]:
           Case("rms-norm-tpu", label, "xla (jnp)", xla, moved, moved, flops)]
 
 
-def all_cases(quick: bool) -> list[Case]:
+@dataclasses.dataclass(frozen=True)
+class RaggedCase:
+  """A grouped-matmul forward at balanced routing; `estimate_ragged` rates it per chip."""
+
+  kernel: str
+  name: str
+  implementation: str     # "pallas" or "xla (lax.ragged_dot)"
+  gmm: Callable[[str], ragged_estimate.GmmCase]   # chip -> the case with the chip's tiling
+
+
+QWEN3 = dict(groups=128, hidden=2048, width=768)   # Qwen3-30B-A3B experts
+TRUNCATED_VISITS = (4, 8)
+
+
+def ragged_dot_cases(m: int) -> list[RaggedCase]:
+  g, h, i = QWEN3["groups"], QWEN3["hidden"], QWEN3["width"]
+  out = []
+  for label, k, n_out, gated in ((f"gate_up+silu bf16 m={m}", h, i, True),
+                                 (f"down bf16 m={m}", i, h, False)):
+    name = f"ragged_dot Qwen3-30B-A3B {label}"
+    gmm = functools.partial(ragged_estimate.GmmCase, m, g, k, n_out, gated)
+    out += [RaggedCase("ragged-dot-tpu", name, "pallas", lambda chip, gmm=gmm: gmm(chip=chip)),
+            RaggedCase("ragged-dot-tpu", name, "xla (lax.ragged_dot)",
+                       lambda chip, gmm=gmm: gmm(chip=chip))]
+  return out
+
+
+def all_cases(quick: bool, kernels=None) -> list:
   if quick:
-    return rms_norm_cases(8, 4096)
-  return [*rms_norm_cases(8192, 4096), *rms_norm_cases(8, 4096)]
+    cases = rms_norm_cases(8, 4096)
+  else:
+    cases = [*rms_norm_cases(8192, 4096), *rms_norm_cases(8, 4096), *ragged_dot_cases(512),
+             *ragged_dot_cases(8192)]
+  return [c for c in cases if kernels is None or c.kernel in kernels]
 
 
-def estimate(case: Case, chip_name: str) -> dict:
+def _kernel_cycles(hlo_text: str) -> int:
+  """The static estimate of the Mosaic kernels alone (their tpu_custom_call lines)."""
+  total = 0
+  for line in hlo_text.replace('\\"', '"').splitlines():
+    if 'custom_call_target="tpu_custom_call"' in line:
+      total += int(re.search(r'"estimated_cycles":"?(\d+)', line).group(1))
+  return total
+
+
+def _compile_text(fn, specs, chip_name) -> str:
+  device = aot.topology_device(chip_name)
+  specs = [aot._on_device(s, device) for s in specs]
+  return jax.jit(fn).trace(*specs).lower().compile().as_text()
+
+
+def _child(mode: str, case: RaggedCase, chip_name: str, profile: bool) -> dict:
+  """Runs `_child_main` in a subprocess (the estimator may abort the process)."""
+  env = {**os.environ, "ESTIMATE_STATIC_PROFILE": "1" if profile else "0"}
+  env["LIBTPU_INIT_ARGS"] = re.sub(r"--xla_jf_dump_static_llo_profile_to=\S+", "",
+                                   env.get("LIBTPU_INIT_ARGS", ""))
+  result = subprocess.run([sys.executable, __file__, "--child", mode, case.name, chip_name],
+                          capture_output=True, text=True, timeout=600, env=env)
+  if result.returncode:
+    fatal = [l for l in result.stderr.splitlines() if re.match(r"F\d{4} ", l)] or \
+        result.stderr.strip().splitlines()[-1:]
+    raise RuntimeError(f"exit {result.returncode}: {fatal[0][:300] if fatal else ''}")
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _child_main(mode: str, name: str, chip_name: str) -> None:
+  """xla-cost: cost_analysis of XLA's ragged_dot (no profile flag: it crashes the
+  estimator). glue: static estimate of the XLA ops that build the kernel's visit table."""
+  case = next(c for c in all_cases(False) if isinstance(c, RaggedCase) and c.name == name)
+  gmm = case.gmm(chip_name)
+  if mode == "xla-cost":
+    fn, specs = ragged_estimate.xla_function(gmm)
+    cost = jax.jit(fn).trace(*[aot._on_device(s, aot.topology_device(chip_name))
+                               for s in specs]).lower().compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    print(json.dumps({k: float(cost[k]) for k in ("optimal_seconds", "bytes accessed",
+                                                   "flops")}))
+  else:
+    text = _compile_text(gmm.metadata_function(), [S((gmm.groups,), jnp.int32)], chip_name)
+    print(json.dumps({"glue_cycles": aot.estimated_cycles(text)}))
+
+
+def estimate_ragged(case: RaggedCase, chip_name: str) -> dict:
+  """Pallas: predicted = glue cycles / clock + max(kernel cycles / clock, bytes the grid
+  moves / HBM bandwidth); glue left out (noted) where the estimator aborts on it.
+  XLA: max(cost_analysis optimal_seconds, operand bytes / HBM bandwidth)."""
+  chip = chips.get_chip(chip_name)
+  gmm = case.gmm(chip_name)
+  row = dict(kernel=case.kernel, case=case.name, implementation=case.implementation,
+             chip=chip_name, compiled=False, error=None)
+  roofline_us = max(gmm.flops() / chip.bf16_flops_per_s,
+                    gmm.min_bytes() / chip.hbm_bytes_per_s) * 1e6
+  try:
+    if case.implementation != "pallas":
+      cost = _child("xla-cost", case, chip_name, profile=False)
+      compute_us = cost["optimal_seconds"] * 1e6
+      hbm_us = gmm.min_bytes() / chip.hbm_bytes_per_s * 1e6   # each weight read once
+      predicted_us = max(compute_us, hbm_us)
+      row.update(compiled=True, estimated_cycles=None, method="cost_analysis optimal_seconds",
+                 xla_bytes_accessed=cost["bytes accessed"], compute_us=compute_us,
+                 hbm_bytes=gmm.min_bytes(), hbm_us=hbm_us, predicted_us=predicted_us,
+                 roofline_us=roofline_us, efficiency=roofline_us / predicted_us)
+      return row
+    t, table = gmm.tiling(), gmm.table()
+    table.check(num_k_tiles=-(-gmm.k // t.block_k))
+    visits = table.num_visits
+    kernel = []
+    for v in TRUNCATED_VISITS:
+      kernel.append(_kernel_cycles(_compile_text(gmm.function(v), gmm.specs(), chip_name)))
+  except Exception as e:  # noqa: BLE001  (a failed case is a row, not a crash)
+    row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+    return row
+  (v1, v2), (k1, k2) = TRUNCATED_VISITS, kernel
+  per_visit = (k2 - k1) / (v2 - v1)
+  kernel_cycles = round(k1 + per_visit * (visits - v1))
+  try:
+    glue, glue_note = _child("glue", case, chip_name, profile=True)["glue_cycles"], None
+  except RuntimeError as e:   # v5e: the estimator aborts on the table's gather fusions
+    glue, glue_note = None, f"estimator failed on the visit-table XLA ops ({e})"
+  cycles = kernel_cycles + (glue or 0)
+  compute_us = cycles / chip.clock_hz * 1e6
+  hbm_bytes = gmm.hbm_bytes()
+  hbm_us = hbm_bytes / chip.hbm_bytes_per_s * 1e6
+  # The glue runs before the kernel (not under its DMAs): glue + max(kernel, its bytes).
+  kernel_us = max(kernel_cycles / chip.clock_hz * 1e6, hbm_us)
+  predicted_us = (glue or 0) / chip.clock_hz * 1e6 + kernel_us
+  row.update(compiled=True, estimated_cycles=cycles, method="static estimate, extrapolated",
+             kernel_cycles=kernel_cycles, glue_cycles=glue, glue_note=glue_note,
+             visits=visits,
+             truncated_visits=list(TRUNCATED_VISITS), truncated_kernel_cycles=kernel,
+             cycles_per_visit=per_visit,
+             hand_cycles_per_visit=gmm.hand_cycles_per_visit(chip.clock_hz,
+                                                             chip.bf16_flops_per_s,
+                                                             chip.hbm_bytes_per_s),
+             tiling=dict(block_m=t.block_m, block_k=t.block_k, block_n=t.block_n,
+                         vmem_limit_bytes=t.vmem_limit_bytes),
+             compute_us=compute_us, hbm_bytes=hbm_bytes, hbm_us=hbm_us,
+             predicted_us=predicted_us, kernel_predicted_us=kernel_us,
+             roofline_us=roofline_us, efficiency=roofline_us / predicted_us)
+  return row
+
+
+def estimate(case, chip_name: str) -> dict:
+  if isinstance(case, RaggedCase):
+    return estimate_ragged(case, chip_name)
   chip = chips.get_chip(chip_name)
   fn, specs = case.build(chip_name)
   report = aot.compile_for_chip(fn, specs, chip_name)
@@ -111,9 +268,28 @@ def markdown(rows: list[dict]) -> str:
     if "predicted_us" not in r:
       lines.append(f"| {r['case']} | {r['implementation']} | {r['chip']} | failed: {r['error']} |||||")
       continue
-    lines.append(f"| {r['case']} | {r['implementation']} | {r['chip']} | {r['estimated_cycles']:,} "
+    cycles = "cost_analysis" if r["estimated_cycles"] is None else f"{r['estimated_cycles']:,}"
+    lines.append(f"| {r['case']} | {r['implementation']} | {r['chip']} | {cycles} "
                  f"| {r['compute_us']:.2f} | {r['hbm_us']:.2f} | {r['predicted_us']:.2f} "
                  f"| {r['roofline_us']:.2f} | {r['efficiency']:.2f} |")
+  ragged = [r for r in rows if r.get("kernel_cycles") is not None]
+  if ragged:
+    lines += ["", "Grouped matmul (Pallas) in detail: the kernel's cycles extrapolated from "
+              "truncated visit counts (4 and 8 visits), the XLA glue that builds the visit "
+              "table (predicted = glue + max(kernel, its HBM bytes); on v5e the estimator "
+              "aborts on the glue, which is then left out), and the cycles per visit against "
+              "a hand count (max(MXU time, weight DMA time at the HBM bandwidth)). XLA rows: "
+              "cost_analysis optimal_seconds, weights in XLA's own (G, k, n) layout.", "",
+              "| case | chip | tiling bm x bk x bn | visits | kernel cycles | glue cycles "
+              "| cycles/visit | hand cycles/visit | kernel-only µs |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in ragged:
+      t = r["tiling"]
+      lines.append(f"| {r['case']} | {r['chip']} | {t['block_m']}x{t['block_k']}x{t['block_n']} "
+                   f"| {r['visits']} | {r['kernel_cycles']:,} "
+                   f"| {'estimator aborts' if r['glue_cycles'] is None else format(r['glue_cycles'], ',')} "
+                   f"| {r['cycles_per_visit']:,.0f} | {r['hand_cycles_per_visit']:,.0f} "
+                   f"| {r['kernel_predicted_us']:.2f} |")
   return "\n".join(lines) + "\n"
 
 
@@ -122,8 +298,17 @@ def main(argv=None) -> int:
   parser.add_argument("--chips", nargs="+", default=["v5e", "v6e"])
   parser.add_argument("--quick", action="store_true", help="decode-size cases only (seconds)")
   parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+  parser.add_argument("--kernels", nargs="+", help="only these kernels (hub names)")
+  parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)   # see _child
   args = parser.parse_args(argv)
-  rows = [estimate(case, chip) for case in all_cases(args.quick) for chip in args.chips]
+  if args.child:
+    _child_main(*args.child)
+    return 0
+  rows = []
+  for case in all_cases(args.quick, args.kernels):
+    for chip in args.chips:
+      rows.append(estimate(case, chip))
+      print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "estimates.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   table = markdown(rows)
