@@ -83,9 +83,21 @@ class Program:
     return f"{self.model.name} {self.projection} {self.direction} m={self.m}{w}"
 
   @property
+  def gated_in_xla(self) -> bool:
+    """Gate/up not addressable as whole blocks of one weight (gpt-oss's interleaved
+    columns) and a float32 (m, 2I) intermediate smaller than the weights (decode): the
+    kernel writes z = lhs @ W (+ bias) and XLA gates it (ragged_dot._forward's choice)."""
+    md = self.model
+    whole_blocks = md.layout == "concatenated" and (self.n_full // 2) % 128 == 0
+    weight_bytes = md.experts * self.k * self.n_full * jnp.dtype(self.weight_dtype).itemsize
+    return self.gated and not whole_blocks and 2 * self.m * self.n_full * 4 < weight_bytes
+
+  @property
   def num_kernels(self) -> int:
     """Mosaic kernels: forward 1; backward adds d_lhs and d_rhs, and for the gated
-    projection the recomputed pre-activation z (the epilogue's derivative needs it)."""
+    projection the recomputed pre-activation z (the epilogue's derivative needs it). When
+    the forward kernel already is that z (gated in XLA), the recompute is the same
+    pallas_call again: XLA does not merge the two custom calls, so it still counts."""
     if self.direction == "fwd":
       return 1
     return 1 + 2 + (1 if self.gated else 0)
@@ -140,7 +152,9 @@ class Program:
     md, m, k, n_full = self.model, self.m, self.k, self.n_full
     dt, wdt = jnp.dtype(self.dtype), jnp.dtype(self.weight_dtype)
     common = dict(num_groups=md.experts, lhs_dtype=dt, chip=chip)
-    if self.gated:
+    if self.gated and self.gated_in_xla:
+      fwd = R.gmm_tiling(m, k, n_full, rhs_dtype=wdt, out_dtype=jnp.float32, **common)
+    elif self.gated:
       whole_blocks = md.layout == "concatenated" and (n_full // 2) % 128 == 0
       fwd = R.gmm_tiling(m, k, n_full // 2, rhs_dtype=wdt, out_dtype=dt, num_rhs=2,
                          n_must_divide=n_full // 2 if whole_blocks else None, **common)
