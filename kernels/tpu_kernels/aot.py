@@ -37,6 +37,7 @@ class CompileReport:
   ok: bool
   scoped_vmem_bytes: int | None = None  # largest scoped-VMEM limit a Mosaic kernel compiled under
   num_kernels: int = 0               # Mosaic kernels in the compiled program
+  kernel_names: tuple[str, ...] = ()  # their pallas_call names, in program order
   estimated_cycles: int | None = None  # static estimate of the whole program (flag set)
   error: str | None = None           # first line of the compiler's error when not ok
 
@@ -80,6 +81,22 @@ def scoped_vmem_per_kernel(hlo_text: str) -> list[int]:
   return sizes
 
 
+_KERNEL_NAME = re.compile(r'op_name="[^"]*?([A-Za-z0-9_]+)/pallas_call')
+_INSTRUCTION_NAME = re.compile(r'^\s*(?:ROOT\s+)?%([^ ]+) = ')
+
+
+def kernel_names(hlo_text: str) -> tuple[str, ...]:
+  """A name for each Mosaic custom call in compiled HLO text: its pallas_call name from
+  the op metadata, or else (backward passes carry no metadata) the HLO instruction name,
+  which contains the pallas_call name, e.g. "transpose_jvp_ragged_dot__.1"."""
+  names = []
+  for line in hlo_text.splitlines():
+    if 'custom_call_target="tpu_custom_call"' in line:
+      match = _KERNEL_NAME.search(line) or _INSTRUCTION_NAME.search(line)
+      names.append(match.group(1) if match else "?")
+  return tuple(names)
+
+
 def estimated_cycles(hlo_text: str) -> int | None:
   """Sum of the static cycle estimates of all ops in compiled HLO text (None if absent).
 
@@ -106,4 +123,5 @@ def compile_for_chip(fn, arg_specs, chip: str) -> CompileReport:
   text = compiled.as_text()
   per_kernel = scoped_vmem_per_kernel(text)
   return CompileReport(chip=chip, ok=True, scoped_vmem_bytes=max(per_kernel, default=None),
-                       num_kernels=len(per_kernel), estimated_cycles=estimated_cycles(text))
+                       num_kernels=len(per_kernel), kernel_names=kernel_names(text),
+                       estimated_cycles=estimated_cycles(text))

@@ -182,7 +182,8 @@ def test_visit_table_covers_every_tile_once_in_order(grouping, block_m, zero_vis
   m, sizes, offset, num_local = grouping
   table, num_visits = K.group_metadata(jnp.asarray(sizes), offset,
                                        num_local_groups=num_local, m=m, block_m=block_m,
-                                       num_k_tiles=3, zero_visits=zero_visits)
+                                       num_k_tiles=3, zero_visits=zero_visits,
+                                       interpret=True)
   num_v = K.max_visits(m, block_m, num_local)
   table = np.asarray(table).reshape(K._NUM_FIELDS, num_v)[:, : int(num_visits)]
   group, tile, start, end = table[K._GROUP], table[K._TILE], table[K._ROW_START], table[K._ROW_END]
