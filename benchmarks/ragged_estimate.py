@@ -82,7 +82,7 @@ class BalancedTable:
     sizes = jnp.full((self.groups,), self.rows, jnp.int32)
     metadata = jax.jit(functools.partial(
         R.group_metadata, group_offset=0, num_local_groups=self.groups, m=self.m,
-        block_m=self.block_m, num_k_tiles=num_k_tiles, zero_visits=True))
+        block_m=self.block_m, num_k_tiles=num_k_tiles, zero_visits=True, interpret=True))
     table, count = metadata(sizes)
     num_v = R.max_visits(self.m, self.block_m, self.groups)
     table = np.asarray(table).reshape(R._NUM_FIELDS, num_v)
@@ -181,8 +181,7 @@ class GmmCase:
     balanced table, with the table visible to the estimator.
 
     The visit table is an input (what `group_metadata(group_sizes)` returns), not built
-    in the program: the XLA ops that build it crash the estimator on v5e ("Unsupported
-    DMA direction" in a gather fusion); `metadata_function` rates them apart."""
+    in the program: the estimator crashes on the small kernel that builds it."""
     t, table = self.tiling(), self.table()
     num_v = R.max_visits(self.m, t.block_m, self.groups)
     epilogue = R.Epilogue(activation="silu", gated=True) if self.gated else R.Epilogue()
@@ -196,13 +195,6 @@ class GmmCase:
                            interpret=interpret, num_visits=num_visits)
 
     return fn
-
-  def metadata_function(self):
-    """fn(group_sizes) -> the visit table and count, as the kernel builds them in XLA."""
-    t = self.tiling()
-    return functools.partial(R.group_metadata, group_offset=0, num_local_groups=self.groups,
-                             m=self.m, block_m=t.block_m,
-                             num_k_tiles=-(-self.k // t.block_k), zero_visits=True)
 
   def flops(self) -> int:
     return 2 * self.m * self.k * self.n_out * self.num_rhs

@@ -40,7 +40,10 @@ def test_visible_table_kernel_computes_the_grouped_matmul(rows, gated):
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((groups, case.num_rhs * n, k)) / 16, jnp.float32)
   sizes = jnp.full((groups,), rows, jnp.int32)
-  visit_table, count = case.metadata_function()(sizes)
+  t = case.tiling()
+  visit_table, count = R.group_metadata(sizes, 0, num_local_groups=groups, m=m,
+                                        block_m=t.block_m, num_k_tiles=-(-k // t.block_k),
+                                        zero_visits=True, interpret=True)
   assert int(count) == table.num_visits
   got = jax.jit(case.function(table.num_visits, interpret=True))(x, w, visit_table)
   if gated:
