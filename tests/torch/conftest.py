@@ -68,3 +68,4 @@ def ragged(local_kernels_env, repo_id):
 def ragged_ops(ragged):
   """The custom ops of the loaded ragged-dot-tpu build (for opcheck)."""
   return sys.modules[f"{ragged.__name__}._custom_ops"]
+

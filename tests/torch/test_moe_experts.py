@@ -313,28 +313,10 @@ def test_tpu_branch_passes_int32_ids_and_statics(registered, monkeypatch):
   with int32 ids, (0,) placeholders for absent tensors, the statics, chip and
   interpret=False."""
   import sys
-  import types
 
-  calls = []
+  from torch_tpu_stand_in import install_fake_torch_tpu
 
-  def jax_op(qualname, fn):
-    def op(*tensors, **kwargs):
-      calls.append((qualname, tensors, kwargs))
-      return torch.zeros_like(tensors[0])
-    return op
-
-  pallas = types.ModuleType("torch.tpu.pallas")
-  pallas.jax_op = jax_op
-  tpu = types.ModuleType("torch.tpu")
-  tpu.pallas = pallas
-  tpu.get_device_name = lambda device=None: "TPU v6e"
-  monkeypatch.setattr(torch, "tpu", tpu, raising=False)
-  monkeypatch.setitem(sys.modules, "torch.tpu", tpu)
-  monkeypatch.setitem(sys.modules, "torch.tpu.pallas", pallas)
-  dispatch = sys.modules[f"{registered.__name__}._shim.dispatch"]
-  monkeypatch.setattr(dispatch, "device_type_of", lambda op, tensors: "tpu")
-  monkeypatch.delenv(dispatch.CHIP_ENV_VAR, raising=False)
-  dispatch.tpu_chip_name.cache_clear()
+  calls, dispatch = install_fake_torch_tpu(monkeypatch, registered)
   ops = sys.modules[f"{registered.__name__}._custom_ops"]
   monkeypatch.setattr(ops, "_experts_forward", dispatch.JaxKernel(
       ops._experts_forward.qualname + "_probe", ops._experts_forward.module,
@@ -347,7 +329,7 @@ def test_tpu_branch_passes_int32_ids_and_statics(registered, monkeypatch):
       registered.experts_forward(module, hidden, index, weights)
   finally:
     dispatch.tpu_chip_name.cache_clear()
-  (qualname, tensors, kwargs), = calls
+  (qualname, tensors, kwargs), = calls["op"]
   assert qualname.endswith("::experts_probe_tpu_jax")
   assert tensors[1].dtype == torch.int32 and torch.equal(tensors[1], index.to(torch.int32))
   assert [tuple(t.shape) for t in tensors[5:]] == [(0,)] * 4   # no biases, no scales

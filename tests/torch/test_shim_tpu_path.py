@@ -9,38 +9,17 @@ show: that TorchTPU compiles and runs it; that needs a TPU.
 import importlib
 import inspect
 import sys
-import types
 
 import jax
 import pytest
 import torch
 
+from torch_tpu_stand_in import install_fake_torch_tpu
+
 
 @pytest.fixture
 def fake_torch_tpu(monkeypatch, rms):
-  calls = {"jax_op": [], "op": []}
-
-  def jax_op(qualname, fn):
-    calls["jax_op"].append((qualname, fn))
-
-    def op(*tensors, **kwargs):
-      calls["op"].append((qualname, tensors, kwargs))
-      return torch.zeros_like(tensors[0])
-    return op
-
-  pallas = types.ModuleType("torch.tpu.pallas")
-  pallas.jax_op = jax_op
-  tpu = types.ModuleType("torch.tpu")
-  tpu.pallas = pallas
-  tpu.get_device_name = lambda device=None: "TPU v6e"
-  monkeypatch.setattr(torch, "tpu", tpu, raising=False)
-  monkeypatch.setitem(sys.modules, "torch.tpu", tpu)
-  monkeypatch.setitem(sys.modules, "torch.tpu.pallas", pallas)
-  dispatch = sys.modules[f"{rms.__name__}._shim.dispatch"]
-  # Pretend the tensors live on a TPU: the only thing a CPU machine cannot provide.
-  monkeypatch.setattr(dispatch, "device_type_of", lambda op, tensors: "tpu")
-  monkeypatch.delenv(dispatch.CHIP_ENV_VAR, raising=False)
-  dispatch.tpu_chip_name.cache_clear()
+  calls, dispatch = install_fake_torch_tpu(monkeypatch, rms)
   yield calls, dispatch
   dispatch.tpu_chip_name.cache_clear()
 
