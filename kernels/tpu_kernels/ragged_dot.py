@@ -532,14 +532,10 @@ class _Static:
   interpret: bool
 
 
-def _compute_dtype(lhs_dtype):
-  return jnp.dtype(lhs_dtype)
-
-
 def _gmm(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, *, n_out,
          transpose_rhs, epilogue, out_dtype, tiling_n_divides, st: _Static):
   """One forward pallas_call. rhs_ops: [(array, n block offset)], 1 or 2 of them (gate, up);
-  scale_ops / bias_ops: the same for [G, 1, N] arrays, or empty."""
+  scale_ops / bias_ops: the same for [G, N] arrays, or empty."""
   m, k = lhs.shape
   g_local = rhs_ops[0][0].shape[0]
   rhs_dtype = rhs_ops[0][0].dtype
@@ -579,7 +575,7 @@ def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: T
     return pl.BlockSpec((None, bk, bn), lambda j, v, kk, tab: (
         tab[_RHS_GROUP * num_v + v], k_index(v, kk, tab), j + offset))
 
-  def row_spec(offset):   # [G, 1, N] scale / bias
+  def row_spec(offset):   # scale / bias, as [G, 1, N]
     return pl.BlockSpec((None, 1, bn), lambda j, v, kk, tab: (
         tab[_RHS_GROUP * num_v + v], 0, j + offset))
 
@@ -587,11 +583,13 @@ def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: T
   in_specs += [rhs_spec(off) for _, off in rhs_ops]
   in_specs += [row_spec(off) for _, off in scale_ops]
   in_specs += [row_spec(off) for _, off in bias_ops]
-  operands = [lhs] + [a for a, _ in rhs_ops] + [a for a, _ in scale_ops] + [a for a, _ in bias_ops]
+  as_rows = lambda a: a.reshape(a.shape[0], 1, a.shape[-1])   # [G, N] -> [G, 1, N]
+  operands = ([lhs] + [a for a, _ in rhs_ops] + [as_rows(a) for a, _ in scale_ops] +
+              [as_rows(a) for a, _ in bias_ops])
   kernel = functools.partial(
       _gmm_kernel, num_v=num_v, num_local_groups=g_local, num_rhs=len(rhs_ops),
       has_scale=bool(scale_ops), has_bias=bool(bias_ops), transpose_rhs=transpose_rhs,
-      k_rem=k % bk, block_m=bm, epilogue=epilogue, compute_dtype=_compute_dtype(lhs.dtype))
+      k_rem=k % bk, block_m=bm, epilogue=epilogue, compute_dtype=lhs.dtype)
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -625,7 +623,7 @@ def _tgmm(lhs, dz, group_sizes, group_offset, *, num_local_groups, out_dtype, st
   if num_visits is not None:
     visits = num_visits
   kernel = functools.partial(_tgmm_kernel, num_v=num_v, block_m=bm,
-                             compute_dtype=_compute_dtype(lhs.dtype))
+                             compute_dtype=lhs.dtype)
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -643,10 +641,6 @@ def _tgmm(lhs, dz, group_sizes, group_offset, *, num_local_groups, out_dtype, st
       interpret=st.interpret,
       name="ragged_dot_weight_grad",
   )(table, lhs, dz)
-
-
-def _row_spec_array(a):
-  return None if a is None else a.reshape(a.shape[0], 1, a.shape[-1])
 
 
 def _split_columns(a, layout, half, axis):
@@ -673,7 +667,6 @@ def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
   out_dtype = jnp.dtype(st.out_dtype if out_dtype is None else out_dtype)
   n_axis = 1 if st.transpose_rhs else 2
   n_full = rhs.shape[n_axis]
-  scale, bias = _row_spec_array(scale), _row_spec_array(bias)
   common = dict(transpose_rhs=st.transpose_rhs, epilogue=epilogue, out_dtype=out_dtype, st=st)
   if not epilogue.gated:
     return _gmm(lhs, [(rhs, 0)], [] if scale is None else [(scale, 0)],
@@ -698,14 +691,13 @@ def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
   # weights; at prefill the copy is the cheaper of the two.
   intermediate_bytes = 2 * lhs.shape[0] * n_full * 4
   if intermediate_bytes < rhs.size * rhs.dtype.itemsize:
-    z = _forward(lhs, rhs, None if scale is None else scale[:, 0], None if bias is None else
-                 bias[:, 0], group_sizes, group_offset, st, epilogue=Epilogue(),
+    z = _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st, epilogue=Epilogue(),
                  out_dtype=jnp.float32)
     # Rows of no local group stay 0: every gated unit maps (0, 0) to 0.
     return epilogue(*_split_columns(z, st.layout, half, 1)).astype(out_dtype)
   pairs = lambda a, axis: [] if a is None else list(zip(_split_columns(a, st.layout, half, axis),
                                                         (0, 0)))
-  return _gmm(lhs, pairs(rhs, n_axis), pairs(scale, 2), pairs(bias, 2), group_sizes,
+  return _gmm(lhs, pairs(rhs, n_axis), pairs(scale, 1), pairs(bias, 1), group_sizes,
               group_offset, n_out=half, tiling_n_divides=None, **common)
 
 
