@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from . import chips, ragged_dot
 
 # The gate activation names moe_experts takes: the kernel's, plus gpt-oss's clamped gate.
-GATED_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu", "relu2", "identity", "gpt_oss")
+GATED_ACTIVATIONS = ragged_dot.GATED_ACTIVATIONS
 
 
 def moe_experts(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array,

@@ -276,3 +276,11 @@ def test_every_entry_point_satisfies_jax_op_contract(ragged):
     assert all(p.annotation in (jax.Array, int, float, str, bool) for p in params.values())
     ret = signature.return_annotation
     assert ret is jax.Array or all(a is jax.Array for a in ret.__args__), kernel.function
+
+
+def test_activation_list_matches_the_kernel(ragged):
+  """The package lists the kernel's activations itself (importing it must not import jax)."""
+  from tpu_kernels import moe, ragged_dot as kernel
+
+  assert ragged.SUPPORTED_ACTIVATIONS == kernel.SUPPORTED_ACTIVATIONS
+  assert moe.GATED_ACTIVATIONS == kernel.GATED_ACTIVATIONS

@@ -19,16 +19,15 @@ from __future__ import annotations
 import torch
 
 from . import _shim
-from ._custom_ops import experts_op, ragged_dot_op
+from ._custom_ops import QUANTIZED_DTYPES, experts_op, ragged_dot_op
 from ._shim import validation
 
 __all__ = ["SUPPORTED_ACTIVATIONS", "experts_forward", "quantize_experts_", "ragged_dot"]
 
 # Epilogue activations of the kernel (kernels/tpu_kernels/ragged_dot.py; listed here so that
-# importing the package does not import jax).
+# importing the package does not import jax; a test checks the two lists agree).
 SUPPORTED_ACTIVATIONS = ("identity", "silu", "gelu_tanh", "gelu", "relu", "relu2")
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
-QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 _QUANT_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 

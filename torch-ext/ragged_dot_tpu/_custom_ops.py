@@ -31,28 +31,20 @@ from .tpu_kernels.chips import DEFAULT_CHIP
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
-def _jax_kernel(op_name: str, function: str) -> _shim.JaxKernel:
-  return _shim.JaxKernel(add_op_namespace_prefix(op_name), f"{__package__}._jax_functions",
-                         function, cpu_chip=DEFAULT_CHIP)
-
-
+_jax_kernel = _shim.jax_kernels(__package__, add_op_namespace_prefix, cpu_chip=DEFAULT_CHIP)
 _ragged_forward = _jax_kernel("ragged_dot", "ragged_dot_forward")
 _ragged_backward = _jax_kernel("ragged_dot_backward", "ragged_dot_backward")
 _experts_forward = _jax_kernel("experts", "experts_forward")
 _experts_backward = _jax_kernel("experts_backward", "experts_backward")
 
 
-def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-  """An absent optional tensor travels to JAX as an empty (0,) float32 array."""
-  return like.new_empty((0,), dtype=torch.float32) if t is None else t
-
-
-def _none_if_empty(t: torch.Tensor) -> torch.Tensor | None:
-  return None if t.dim() == 1 and t.shape[0] == 0 else t
-
-
 def _empty(like: torch.Tensor) -> torch.Tensor:
+  """An empty (0,) float32 tensor: how an absent tensor travels to and from JAX."""
   return like.new_empty((0,), dtype=torch.float32)
+
+
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+  return _empty(like) if t is None else t
 
 
 def _out_dtype(lhs: torch.Tensor, out_dtype: str) -> torch.dtype:

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from .tpu_kernels import moe
 from .tpu_kernels import ragged_dot as kernel
 
-QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
 
 
 def _opt(a: jax.Array):
@@ -31,7 +30,7 @@ def _none_array() -> jax.Array:
 
 
 def _is_quantized(w: jax.Array) -> bool:
-  return w.dtype in QUANTIZED_DTYPES
+  return w.dtype in kernel.QUANTIZED_DTYPES
 
 
 def _activation(name: str):

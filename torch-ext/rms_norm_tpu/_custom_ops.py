@@ -21,9 +21,7 @@ from ._ops import add_op_namespace_prefix
 from .tpu_kernels.chips import DEFAULT_CHIP
 
 
-def _jax_kernel(op_name: str, function: str) -> _shim.JaxKernel:
-  return _shim.JaxKernel(add_op_namespace_prefix(op_name), f"{__package__}._jax_functions",
-                         function, cpu_chip=DEFAULT_CHIP)
+_jax_kernel = _shim.jax_kernels(__package__, add_op_namespace_prefix, cpu_chip=DEFAULT_CHIP)
 
 
 _forward = _jax_kernel("rms_norm", "rms_norm_forward")

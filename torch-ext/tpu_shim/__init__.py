@@ -16,9 +16,10 @@ jax is imported on first use, never at package import.
 
 from __future__ import annotations
 
-from .dispatch import JaxKernel, SUPPORTED_DEVICE_TYPES, device_type_of, tpu_chip_name
+from .dispatch import (JaxKernel, SUPPORTED_DEVICE_TYPES, device_type_of, jax_kernels,
+                       tpu_chip_name)
 from .registry import custom_op_once
 from . import validation
 
 __all__ = ["JaxKernel", "SUPPORTED_DEVICE_TYPES", "custom_op_once", "device_type_of",
-           "tpu_chip_name", "validation"]
+           "jax_kernels", "tpu_chip_name", "validation"]

@@ -108,3 +108,12 @@ class JaxKernel:
     out = self._cpu_jit(*map(_to_jax, tensors.values()), **statics, chip=self.cpu_chip,
                         interpret=True)
     return jax.tree.map(_to_torch, out)
+
+
+def jax_kernels(package: str, add_op_namespace_prefix, *, cpu_chip: str):
+  """The JaxKernel maker of one kernel package: `make(op_name, function)` serves the op
+  `<namespace>::<op_name>` with `<package>._jax_functions.<function>`."""
+  def make(op_name: str, function: str) -> JaxKernel:
+    return JaxKernel(add_op_namespace_prefix(op_name), f"{package}._jax_functions", function,
+                     cpu_chip=cpu_chip)
+  return make
