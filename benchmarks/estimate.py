@@ -23,7 +23,7 @@ cycles extrapolated linearly to the real count (exactly linear where checked: 4,
 The kernel takes the visit table as an input. The small scalar-core kernel that builds it
 from group_sizes (group_metadata) is not rated: the estimator crashes on its loops (stack
 overflow in its evaluator). It is one launch walking G_total + 2 G_local groups and writing
-7 words per visit to SMEM, so it is left out of the prediction ("glue": None, noted).
+7 words per visit to SMEM, so it is left out of the prediction (each row says so).
 (Built from XLA ops instead, the table cost ~30 small ops, 80-101k cycles on v6e.)
 The XLA baseline jax.lax.ragged_dot crashes the estimator (SIGSEGV), so it is rated by
 XLA's own cost_analysis()["optimal_seconds"], compiled in a subprocess without the flag.
@@ -213,17 +213,14 @@ def estimate_ragged(case: RaggedCase, chip_name: str) -> dict:
   (v1, v2), (k1, k2) = TRUNCATED_VISITS, kernel
   per_visit = (k2 - k1) / (v2 - v1)
   kernel_cycles = round(k1 + per_visit * (visits - v1))
-  # The visit-table kernel crashes the estimator (see the module docstring): not rated.
-  glue, glue_note = None, "visit-table kernel not rated (the estimator crashes on its loops)"
-  cycles = kernel_cycles + (glue or 0)
-  compute_us = cycles / chip.clock_hz * 1e6
+  compute_us = kernel_cycles / chip.clock_hz * 1e6
   hbm_bytes = gmm.hbm_bytes()
   hbm_us = hbm_bytes / chip.hbm_bytes_per_s * 1e6
-  # The glue runs before the kernel (not under its DMAs): glue + max(kernel, its bytes).
-  kernel_us = max(kernel_cycles / chip.clock_hz * 1e6, hbm_us)
-  predicted_us = (glue or 0) / chip.clock_hz * 1e6 + kernel_us
-  row.update(compiled=True, estimated_cycles=cycles, method="static estimate, extrapolated",
-             kernel_cycles=kernel_cycles, glue_cycles=glue, glue_note=glue_note,
+  predicted_us = max(compute_us, hbm_us)
+  row.update(compiled=True, estimated_cycles=kernel_cycles,
+             method="static estimate, extrapolated",
+             kernel_cycles=kernel_cycles,
+             not_rated="the visit-table kernel (the estimator crashes on its loops)",
              visits=visits,
              truncated_visits=list(TRUNCATED_VISITS), truncated_kernel_cycles=kernel,
              cycles_per_visit=per_visit,
@@ -233,7 +230,7 @@ def estimate_ragged(case: RaggedCase, chip_name: str) -> dict:
              tiling=dict(block_m=t.block_m, block_k=t.block_k, block_n=t.block_n,
                          vmem_limit_bytes=t.vmem_limit_bytes),
              compute_us=compute_us, hbm_bytes=hbm_bytes, hbm_us=hbm_us,
-             predicted_us=predicted_us, kernel_predicted_us=kernel_us,
+             predicted_us=predicted_us,
              roofline_us=roofline_us, efficiency=roofline_us / predicted_us)
   return row
 
@@ -277,16 +274,14 @@ def markdown(rows: list[dict]) -> str:
               "estimator crashes on it), and the cycles per visit against "
               "a hand count (max(MXU time, weight DMA time at the HBM bandwidth)). XLA rows: "
               "cost_analysis optimal_seconds, weights in XLA's own (G, k, n) layout.", "",
-              "| case | chip | tiling bm x bk x bn | visits | kernel cycles | glue cycles "
-              "| cycles/visit | hand cycles/visit | kernel-only µs |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+              "| case | chip | tiling bm x bk x bn | visits | kernel cycles "
+              "| cycles/visit | hand cycles/visit |",
+              "|---|---|---|---:|---:|---:|---:|"]
     for r in ragged:
       t = r["tiling"]
       lines.append(f"| {r['case']} | {r['chip']} | {t['block_m']}x{t['block_k']}x{t['block_n']} "
                    f"| {r['visits']} | {r['kernel_cycles']:,} "
-                   f"| {'not rated' if r['glue_cycles'] is None else format(r['glue_cycles'], ',')} "
-                   f"| {r['cycles_per_visit']:,.0f} | {r['hand_cycles_per_visit']:,.0f} "
-                   f"| {r['kernel_predicted_us']:.2f} |")
+                   f"| {r['cycles_per_visit']:,.0f} | {r['hand_cycles_per_visit']:,.0f} |")
   return "\n".join(lines) + "\n"
 
 
