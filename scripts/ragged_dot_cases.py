@@ -83,14 +83,13 @@ class Program:
     return f"{self.model.name} {self.projection} {self.direction} m={self.m}{w}"
 
   @property
-  def gated_in_xla(self) -> bool:
-    """Gate/up not addressable as whole blocks of one weight (gpt-oss's interleaved
-    columns) and a float32 (m, 2I) intermediate smaller than the weights (decode): the
-    kernel writes z = lhs @ W (+ bias) and XLA gates it (ragged_dot._forward's choice)."""
+  def gate_up_route(self) -> str | None:
+    """The gated forward's route (ragged_dot.gate_up_route), None for the down projection."""
+    if not self.gated:
+      return None
     md = self.model
-    whole_blocks = md.layout == "concatenated" and (self.n_full // 2) % 128 == 0
     weight_bytes = md.experts * self.k * self.n_full * jnp.dtype(self.weight_dtype).itemsize
-    return self.gated and not whole_blocks and 2 * self.m * self.n_full * 4 < weight_bytes
+    return R.gate_up_route(self.m, self.n_full, md.layout, weight_bytes)
 
   @property
   def num_kernels(self) -> int:
@@ -152,12 +151,12 @@ class Program:
     md, m, k, n_full = self.model, self.m, self.k, self.n_full
     dt, wdt = jnp.dtype(self.dtype), jnp.dtype(self.weight_dtype)
     common = dict(num_groups=md.experts, lhs_dtype=dt, chip=chip)
-    if self.gated and self.gated_in_xla:
+    route = self.gate_up_route
+    if route == "xla_gate":
       fwd = R.gmm_tiling(m, k, n_full, rhs_dtype=wdt, out_dtype=jnp.float32, **common)
-    elif self.gated:
-      whole_blocks = md.layout == "concatenated" and (n_full // 2) % 128 == 0
+    elif route is not None:
       fwd = R.gmm_tiling(m, k, n_full // 2, rhs_dtype=wdt, out_dtype=dt, num_rhs=2,
-                         n_must_divide=n_full // 2 if whole_blocks else None, **common)
+                         n_must_divide=n_full // 2 if route == "blocks" else None, **common)
     else:
       fwd = R.gmm_tiling(m, k, n_full, rhs_dtype=wdt, out_dtype=dt, **common)
     out = [("fwd", fwd)]

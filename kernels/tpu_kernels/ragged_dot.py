@@ -660,6 +660,23 @@ def _join_columns(gate, up, layout):
   return jnp.concatenate([gate, up], axis=-1)
 
 
+def gate_up_route(m: int, n_full: int, layout: str, weight_bytes: int) -> str:
+  """How the gated forward runs for (m, 2I = n_full) and weights of `weight_bytes`:
+
+  "blocks":   concatenated layout with I a multiple of 128: gate and up are whole blocks
+              of the same weight array (no copy); one gated kernel.
+  Otherwise (gpt-oss's interleaved columns, or halves not whole 128-lane blocks), gate
+  and up cannot be addressed as blocks of one array, and the cheaper in bytes of:
+  "xla_gate": the plain kernel writes a float32 (m, 2I) intermediate and XLA gates it
+              (decode: the intermediate is tiny next to the weights);
+  "split":    the weights are split in XLA (a copy of all of them; prefill) and fed to
+              the gated kernel.
+  """
+  if layout == "concatenated" and (n_full // 2) % 128 == 0:
+    return "blocks"
+  return "xla_gate" if 2 * m * n_full * 4 < weight_bytes else "split"
+
+
 def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
              epilogue=None, out_dtype=None):
   """The fused forward: epilogue(lhs @ W * scale + bias) per group, [m, n_out]."""
@@ -673,8 +690,8 @@ def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
                 [] if bias is None else [(bias, 0)], group_sizes, group_offset,
                 n_out=n_full, tiling_n_divides=None, **common)
   half = n_full // 2
-  if st.layout == "concatenated" and half % 128 == 0:
-    # Gate and up are whole blocks of the same array: no copy of the weights.
+  route = gate_up_route(lhs.shape[0], n_full, st.layout, rhs.size * rhs.dtype.itemsize)
+  if route == "blocks":
     t = gmm_tiling(lhs.shape[0], lhs.shape[1], half, num_groups=rhs.shape[0],
                    lhs_dtype=lhs.dtype, rhs_dtype=rhs.dtype, out_dtype=out_dtype, num_rhs=2,
                    n_must_divide=half, chip=st.chip, block_m=st.block_m, block_k=st.block_k,
@@ -684,13 +701,7 @@ def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
     return _gmm_call(lhs, ops(rhs), ops(scale), ops(bias), group_sizes, group_offset, t,
                      n_out=half, transpose_rhs=st.transpose_rhs, epilogue=epilogue,
                      out_dtype=out_dtype, interpret=st.interpret)
-  # Interleaved columns (gpt-oss), or halves that are not whole 128-lane blocks: gate and
-  # up cannot be addressed as blocks of one array. Either split the weights in XLA (a copy
-  # of all of them) or run the plain kernel to a float32 (m, 2I) intermediate and gate in
-  # XLA, whichever moves fewer bytes: at decode the intermediate is tiny next to the
-  # weights; at prefill the copy is the cheaper of the two.
-  intermediate_bytes = 2 * lhs.shape[0] * n_full * 4
-  if intermediate_bytes < rhs.size * rhs.dtype.itemsize:
+  if route == "xla_gate":
     z = _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st, epilogue=Epilogue(),
                  out_dtype=jnp.float32)
     # Rows of no local group stay 0: every gated unit maps (0, 0) to 0.
