@@ -255,3 +255,169 @@ def ragged_dot_grads(lhs, rhs, group_sizes, grad_out, group_offset=0, transpose_
   if transpose_rhs:
     d_w = np.swapaxes(d_w, 1, 2)
   return d_lhs, d_w, d_bias
+
+
+# ----------------------------------------------------------------------------- attention
+#
+# For batch b, query head h (KV head h // G, G = Hq / Hkv), query row i at position
+# p_i = q_offset + i and key j at position j:
+#
+#   u[i, j] = sm_scale * q[i] . k[j]                      (sm_scale = 1 / sqrt(D) by default)
+#   t[i, j] = soft_cap * tanh(u[i, j] / soft_cap)         (t = u without soft_cap)
+#   visible(i, j) = (not causal or j <= p_i) and (window is None or p_i - j < window)
+#                   and (no segment ids or q_seg[i] == kv_seg[j])
+#   lse[i] = log(exp(sink[h]) + sum_{visible j} exp(t[i, j]))   (no sink term without sinks)
+#   P[i, j] = exp(t[i, j] - lse[i]) on visible keys, else 0;  P_sink[i] = exp(sink[h] - lse[i])
+#   out[i] = sum_j P[i, j] v[j]
+#
+# A row with no visible key: out = 0, lse = -inf (lse = sink[h] with sinks).
+#
+# Tolerances, as |kernel - reference| <= atol * max|reference| + rtol * |reference|, for
+# inputs of unit scale (logits O(1..30)). The reference sees exactly the kernel's inputs
+# (bf16 values widened to f64), so input rounding is no error.
+# float32: the kernel's f32 math against f64. A logit is a D-term f32 dot product: its
+#   error is a few 2^-24 (~6e-8) of scale * sum_d |q_d k_d| (<= ~10 at D = 256), i.e.
+#   ~1e-6 absolute; it moves each P[i, j] by that much relatively, and the online
+#   softmax's rescaling and the PV sum over up to ~300 keys add a few more 2^-24 each.
+#   1e-6 of sum_j P |v| (~|v| ~ 1..4) is ~1e-6 of max|out| (>~0.2 for unit-normal v):
+#   2e-5 leaves ~10x margin over that worst case, and is still far below what any
+#   masking mistake gives (a wrong key moves a row by ~P * |v| >> 1e-3).
+# bfloat16: bf16 inputs, f32 logits (products of bf16 numbers are exact in f32) and
+#   f32 softmax statistics; as every flash kernel does, P is rounded to bf16 (relative
+#   error <= 2^-8) before the PV matmul, and out is rounded to bf16 (<= 2^-8 of |out|).
+#   The P roundings move out[i] by <= 2^-8 * sum_j P |v| (if they all add up; they
+#   mostly cancel), and sum_j P |v| <= ~4x max|out| for unit-normal v (a row spreading
+#   over many keys is smaller than its terms): atol 1.6e-2 (= 4 * 2^-8) covers that
+#   worst case; rtol 8e-3 (= 2 * 2^-8) covers the output's own rounding with one ulp of
+#   slack for the f32 normalisation before it.
+# lse is float32 in both cases and computed from f32 logits (never rounded to bf16):
+#   its error is the logits' absolute error (~1e-6, lse is 1-Lipschitz in the logits)
+#   plus a few 2^-24 of |lse|. Judge it with scale = max(max|lse|, 1), since logit
+#   errors are absolute in logit units (O(1) for these inputs), not relative to lse.
+ATTENTION_TOLERANCE = {
+    "float32": dict(rtol=2e-5, atol=2e-5),
+    "bfloat16": dict(rtol=8e-3, atol=1.6e-2),
+}
+ATTENTION_LSE_TOLERANCE = {
+    "float32": dict(rtol=1e-5, atol=1e-5),
+    "bfloat16": dict(rtol=1e-5, atol=1e-5),
+}
+# Gradients (dq, dk, dv in the input dtype, dsinks float32), judged against the largest
+# element of each gradient.
+# float32: each gradient chains two f32 matmuls after the softmax (dP = dO V^T,
+#   dS = P * (dP - rowsum(dO * O)), dQ = dS K, dK = dS^T Q, dV = P^T dO) and sums over up
+#   to ~300 keys or query rows (times G heads for dK and dV): a few 2^-24 per step, grown
+#   by the sum's length and by the cancellation in dP - rowsum(dO * O). 1e-4 (~1700
+#   ulps) covers that with margin and still catches any wrong term.
+# bfloat16: the backward rounds P and dS to bf16 before its matmuls (2^-8 each, per
+#   term), computes rowsum(dO * O) from the bf16 output (2^-8 of sum|dO * O|), and
+#   rounds dq, dk, dv to bf16 at the end (2^-8). The per-term roundings accumulate like
+#   the forward's (worst case ~4x the result's size in terms, see above) across the two
+#   chained steps: atol 3e-2 (~8 * 2^-8), rtol 1.6e-2 (final rounding plus slack).
+ATTENTION_GRAD_TOLERANCE = {
+    "float32": dict(rtol=1e-4, atol=1e-4),
+    "bfloat16": dict(rtol=1.6e-2, atol=3e-2),
+}
+
+
+def attention_segments(segment_ids, batch, q_len, kv_len):
+  """(q_seg [B, Sq], kv_seg [B, Skv]) from None, one [B, S] array, or a pair."""
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    q_seg, kv_seg = segment_ids
+  else:
+    q_seg = kv_seg = segment_ids
+  q_seg, kv_seg = np.asarray(q_seg), np.asarray(kv_seg)
+  assert q_seg.shape == (batch, q_len) and kv_seg.shape == (batch, kv_len)
+  return q_seg, kv_seg
+
+
+def attention_visible(batch, q_len, kv_len, *, causal=False, sliding_window=None,
+                      segment_ids=None, q_offset=0) -> np.ndarray:
+  """visible(i, j) as a bool [B, Sq, Skv] array."""
+  pos = int(q_offset) + np.arange(q_len)[:, None]
+  key = np.arange(kv_len)[None, :]
+  vis = np.ones((q_len, kv_len), bool)
+  if causal:
+    vis &= key <= pos
+  if sliding_window is not None:
+    vis &= pos - key < sliding_window
+  vis = np.broadcast_to(vis, (batch, q_len, kv_len))
+  q_seg, kv_seg = attention_segments(segment_ids, batch, q_len, kv_len)
+  if q_seg is not None:
+    vis = vis & (q_seg[:, :, None] == kv_seg[:, None, :])
+  return vis
+
+
+def _attention_parts(q, k, v, causal, sm_scale, sliding_window, soft_cap, segment_ids,
+                     sinks, q_offset):
+  q, k, v = f64(q), f64(k), f64(v)
+  batch, num_q_heads, q_len, head_dim = q.shape
+  group = num_q_heads // k.shape[1]
+  k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # head h -> KV h // G
+  scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+  u = scale * np.einsum("bhid,bhjd->bhij", q, k)
+  t = u if soft_cap is None else soft_cap * np.tanh(u / soft_cap)
+  vis = attention_visible(batch, q_len, k.shape[2], causal=causal,
+                          sliding_window=sliding_window, segment_ids=segment_ids,
+                          q_offset=q_offset)[:, None]
+  m = np.max(np.where(vis, t, -np.inf), axis=-1, initial=-np.inf)
+  sink = None if sinks is None else f64(sinks)[None, :, None]
+  if sink is not None:
+    m = np.maximum(m, sink)
+  m = np.where(np.isfinite(m), m, 0.0)
+  e = np.exp(np.where(vis, t - m[..., None], -np.inf))
+  denom = e.sum(-1) + (0.0 if sink is None else np.exp(sink - m))
+  lse = np.where(denom > 0, m + np.log(np.where(denom > 0, denom, 1.0)), -np.inf)
+  p = e / np.where(denom > 0, denom, 1.0)[..., None]
+  p_sink = None if sink is None else np.exp(sink - lse)
+  return dict(q=q, k=k, v=v, scale=scale, t=t, p=p, p_sink=p_sink, lse=lse,
+              out=np.einsum("bhij,bhjd->bhid", p, v), group=group)
+
+
+def attention(q, k, v, *, causal=False, sm_scale=None, sliding_window=None, soft_cap=None,
+              segment_ids=None, sinks=None, q_offset=0):
+  """(out [B, Hq, Sq, D], lse [B, Hq, Sq]), float64, from the definition above."""
+  r = _attention_parts(q, k, v, causal, sm_scale, sliding_window, soft_cap, segment_ids,
+                       sinks, q_offset)
+  return r["out"], r["lse"]
+
+
+def attention_grads(q, k, v, grad_out, *, causal=False, sm_scale=None, sliding_window=None,
+                    soft_cap=None, segment_ids=None, sinks=None, q_offset=0, grad_lse=None):
+  """Gradients of L = sum(grad_out * out) + sum(grad_lse * lse), by hand, float64.
+
+  Per row i (dropping i), with the sink as an extra softmax entry that has no value:
+  P_a = exp(t_a - lse) over a in {sink} + visible keys, so dP_a / dt_c = P_a (delta_ac -
+  P_c) and dlse / dt_c = P_c. With dO = grad_out[i], dP_j = dO . v[j] (0 for the sink)
+  and D = sum_j P_j dP_j = dO . out:
+    dL/dt_c = sum_a dP_a P_a (delta_ac - P_c) + grad_lse P_c = P_c (dP_c - D + grad_lse)
+  for keys (c = j), and P_sink (0 - D + grad_lse) for the sink. Then
+    soft-cap: du = dt * (1 - (t / soft_cap)^2)        (d/du c tanh(u / c) = 1 - tanh^2)
+    dq[i] = sm_scale * sum_j du[i, j] k[j]
+    dk[j] = sm_scale * sum_{h in group, i} du[i, j] q[i]
+    dv[j] = sum_{h in group, i} P[i, j] dO[i]
+    dsinks[h] = -sum_{b, i} P_sink[i] (D[i] - grad_lse[i])
+  `test_reference.py` checks these against an explicit Jacobian and finite differences.
+  Returns dict(dq, dk, dv, dsinks) (dsinks None without sinks).
+  """
+  r = _attention_parts(q, k, v, causal, sm_scale, sliding_window, soft_cap, segment_ids,
+                       sinks, q_offset)
+  g = f64(grad_out)
+  gl = 0.0 if grad_lse is None else f64(grad_lse)[..., None]
+  p = r["p"]
+  dp = np.einsum("bhid,bhjd->bhij", g, r["v"])
+  d_row = np.sum(p * dp, axis=-1, keepdims=True)
+  dt = p * (dp - d_row + gl)
+  du = dt if soft_cap is None else dt * (1.0 - (r["t"] / soft_cap) ** 2)
+  dq = r["scale"] * np.einsum("bhij,bhjd->bhid", du, r["k"])
+  dk = r["scale"] * np.einsum("bhij,bhid->bhjd", du, r["q"])
+  dv = np.einsum("bhij,bhid->bhjd", p, g)
+  batch, num_q_heads, kv_len, head_dim = dk.shape
+  fold = lambda a: a.reshape(batch, num_q_heads // r["group"], r["group"], kv_len,
+                             head_dim).sum(axis=2)
+  dsinks = None
+  if sinks is not None:
+    dsinks = -np.sum(r["p_sink"][..., None] * (d_row - gl), axis=(0, 2, 3))
+  return dict(dq=dq, dk=fold(dk), dv=fold(dv), dsinks=dsinks)

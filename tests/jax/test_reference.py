@@ -38,3 +38,193 @@ def test_forward_definition():
   np.testing.assert_allclose(out, [[3 / np.sqrt(12.5), 8 / np.sqrt(12.5)]])
   np.testing.assert_allclose(ref.rms_norm(x, np.array([0.0, 1.0]), 0.0, offset=1.0),
                              [[3 / np.sqrt(12.5), 8 / np.sqrt(12.5)]])
+
+
+# ----------------------------------------------------------------------------- attention
+
+def _attention_brute_force(q, k, v, *, causal=False, sm_scale=None, sliding_window=None,
+                           soft_cap=None, segment_ids=None, sinks=None, q_offset=0):
+  """One row at a time with Python scalars: an explicit list of visible keys and a
+  hand-written log-sum-exp (a different route from the reference's masked arrays)."""
+  batch, num_q_heads, q_len, head_dim = q.shape
+  num_kv_heads, kv_len = k.shape[1], k.shape[2]
+  scale = 1.0 / np.sqrt(head_dim) if sm_scale is None else sm_scale
+  if segment_ids is None:
+    q_seg = kv_seg = np.zeros((batch, max(q_len, kv_len)), int)
+  elif isinstance(segment_ids, tuple):
+    q_seg, kv_seg = segment_ids
+  else:
+    q_seg = kv_seg = segment_ids
+  out = np.zeros(q.shape)
+  lse = np.zeros((batch, num_q_heads, q_len))
+  for b in range(batch):
+    for h in range(num_q_heads):
+      kv_head = h * num_kv_heads // num_q_heads
+      for i in range(q_len):
+        pos = q_offset + i
+        keys = [j for j in range(kv_len)
+                if (not causal or j <= pos)
+                and (sliding_window is None or pos - j < sliding_window)
+                and q_seg[b][i] == kv_seg[b][j]]
+        logits = []
+        for j in keys:
+          s = scale * sum(float(q[b, h, i, d]) * float(k[b, kv_head, j, d])
+                          for d in range(head_dim))
+          logits.append(s if soft_cap is None else soft_cap * np.tanh(s / soft_cap))
+        terms = logits + ([] if sinks is None else [float(sinks[h])])
+        if not terms:
+          lse[b, h, i] = -np.inf
+          continue
+        top = max(terms)
+        lse[b, h, i] = top + np.log(sum(np.exp(x - top) for x in terms))
+        for j, s in zip(keys, logits):
+          out[b, h, i] += np.exp(s - lse[b, h, i]) * v[b, kv_head, j]
+  return out, lse
+
+
+ATTENTION_CASES = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "causal_offset_window_cap": dict(causal=True, q_offset=2, sliding_window=2, soft_cap=1.5),
+    # Rows 0..1 see no key (causal, q_offset 0, keys 2.. in other segments): fully masked.
+    "segments_pair_sinks": dict(causal=True, sinks=np.array([0.3, -2.0, 4.0, -0.5]),
+                                segment_ids=(np.array([[0, 0, 1], [2, 1, 1]]),
+                                             np.array([[1, 1, 0, 1, 1], [0, 1, 1, 1, 1]]))),
+    "window_noncausal_scale": dict(sliding_window=3, sm_scale=0.7, q_offset=1),
+    "all_masked_sinks": dict(causal=True, sinks=np.array([1.0, 0.0, -1.0, 2.0]),
+                             segment_ids=(np.zeros((2, 3), int), np.ones((2, 5), int))),
+}
+
+
+def _attention_inputs(seed, batch=2, num_kv_heads=2, group=2, q_len=3, kv_len=5, head_dim=4):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((batch, num_kv_heads * group, q_len, head_dim))
+  k = rng.standard_normal((batch, num_kv_heads, kv_len, head_dim))
+  v = rng.standard_normal((batch, num_kv_heads, kv_len, head_dim))
+  return rng, q, k, v
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_matches_brute_force(case):
+  opts = ATTENTION_CASES[case]
+  _, q, k, v = _attention_inputs(len(case))
+  out, lse = ref.attention(q, k, v, **opts)
+  want_out, want_lse = _attention_brute_force(q, k, v, **opts)
+  np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+  np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+  masked = ~ref.attention_visible(2, 3, 5, causal=opts.get("causal", False),
+                                  sliding_window=opts.get("sliding_window"),
+                                  segment_ids=opts.get("segment_ids"),
+                                  q_offset=opts.get("q_offset", 0)).any(-1)   # [B, Sq]
+  if case in ("segments_pair_sinks", "all_masked_sinks"):
+    assert masked.any()
+  assert not out[np.broadcast_to(masked[:, None], lse.shape)].any()
+  assert np.isfinite(out).all()
+  expected_masked_lse = (-np.inf if opts.get("sinks") is None
+                         else np.broadcast_to(opts["sinks"][None, :, None], lse.shape))
+  np.testing.assert_array_equal(
+      lse[np.broadcast_to(masked[:, None], lse.shape)],
+      np.broadcast_to(expected_masked_lse, lse.shape)[np.broadcast_to(masked[:, None], lse.shape)])
+
+
+def test_attention_definition_by_hand():
+  # One query, two keys with logits 0 and log 3 (scale 1): weights 1/4, 3/4.
+  q = np.array([[[[1.0]]]])
+  k = np.array([[[[0.0], [np.log(3.0)]]]])
+  v = np.array([[[[2.0], [6.0]]]])
+  out, lse = ref.attention(q, k, v, sm_scale=1.0)
+  np.testing.assert_allclose(out, [[[[0.25 * 2 + 0.75 * 6]]]])
+  np.testing.assert_allclose(lse, [[[np.log(4.0)]]])
+  # A sink of logit log 4 takes half the mass: weights 1/8, 3/8.
+  out, lse = ref.attention(q, k, v, sm_scale=1.0, sinks=np.array([np.log(4.0)]))
+  np.testing.assert_allclose(out, [[[[2 / 8 + 18 / 8]]]])
+  np.testing.assert_allclose(lse, [[[np.log(8.0)]]])
+  # Window 1 (causal or not): the query at position 1 sees only key 1.
+  for causal in (False, True):
+    out, _ = ref.attention(q, k, v, sm_scale=1.0, sliding_window=1, q_offset=1, causal=causal)
+    np.testing.assert_allclose(out, [[[[6.0]]]])
+  # Soft-cap 1: logit log 3 becomes tanh(log 3) = 0.8.
+  out, _ = ref.attention(q, k, v, sm_scale=1.0, soft_cap=1.0)
+  w = np.exp(0.8) / (1 + np.exp(0.8))
+  np.testing.assert_allclose(out, [[[[(1 - w) * 2 + w * 6]]]])
+
+
+def _attention_loss(q, k, v, sinks, g, gl, opts):
+  out, lse = ref.attention(q, k, v, **{**opts, "sinks": sinks})
+  return float(np.sum(g * out) + np.sum(np.where(np.isfinite(lse), gl * lse, 0.0)))
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_grads_match_finite_differences(case):
+  """Every element of dq, dk, dv, dsinks against float64 central differences of
+  sum(g * out) + sum(g_lse * lse) (tiny shapes: GQA with two heads per KV head)."""
+  opts = dict(ATTENTION_CASES[case])
+  sinks = opts.pop("sinks", None)
+  rng, q, k, v = _attention_inputs(len(case) + 1)
+  g = rng.standard_normal(q.shape)
+  gl = rng.standard_normal(q.shape[:3])
+  grads = ref.attention_grads(q, k, v, g, grad_lse=gl, sinks=sinks, **opts)
+  assert (grads["dsinks"] is None) == (sinks is None)
+  args = dict(dq=q, dk=k, dv=v, **({} if sinks is None else {"dsinks": sinks}))
+  h = 1e-6
+  for name, a in args.items():
+    numeric = np.zeros(a.shape)
+    for idx in np.ndindex(a.shape):
+      e = np.zeros(a.shape)
+      e[idx] = h
+      plus = {n: x + e if n == name else x for n, x in args.items()}
+      minus = {n: x - e if n == name else x for n, x in args.items()}
+      numeric[idx] = (_attention_loss(plus["dq"], plus["dk"], plus["dv"], plus.get("dsinks"),
+                                      g, gl, opts)
+                      - _attention_loss(minus["dq"], minus["dk"], minus["dv"],
+                                        minus.get("dsinks"), g, gl, opts)) / (2 * h)
+    np.testing.assert_allclose(grads[name], numeric, rtol=1e-6, atol=1e-8, err_msg=name)
+    assert np.abs(numeric).max() > 0 or case == "all_masked_sinks"
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_grads_match_explicit_jacobian(case):
+  """dL/dlogits from each row's explicit softmax Jacobian over {sink} + visible keys
+  (diag(P) - P P^T, the sink entry without a value), then the matmul chain by loops."""
+  opts = dict(ATTENTION_CASES[case])
+  rng, q, k, v = _attention_inputs(len(case) + 2)
+  g = rng.standard_normal(q.shape)
+  gl = rng.standard_normal(q.shape[:3])
+  grads = ref.attention_grads(q, k, v, g, grad_lse=gl, **opts)
+  batch, num_q_heads, q_len, head_dim = q.shape
+  group = num_q_heads // k.shape[1]
+  scale = opts.get("sm_scale") or 1.0 / np.sqrt(head_dim)
+  cap = opts.get("soft_cap")
+  sinks = opts.get("sinks")
+  vis = ref.attention_visible(batch, q_len, k.shape[2], causal=opts.get("causal", False),
+                              sliding_window=opts.get("sliding_window"),
+                              segment_ids=opts.get("segment_ids"),
+                              q_offset=opts.get("q_offset", 0))
+  dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+  dsinks = np.zeros(num_q_heads)
+  for b in range(batch):
+    for h in range(num_q_heads):
+      kh = h // group
+      for i in range(q_len):
+        keys = np.flatnonzero(vis[b, i])
+        u = scale * k[b, kh, keys] @ q[b, h, i]
+        t = u if cap is None else cap * np.tanh(u / cap)
+        logits = np.concatenate([[-np.inf if sinks is None else sinks[h]], t])
+        if not np.isfinite(logits).any():
+          continue
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        jac = np.diag(p) - np.outer(p, p)                   # dP_a / dt_c
+        d_p = np.concatenate([[0.0], v[b, kh, keys] @ g[b, h, i]])
+        dt = jac.T @ d_p + gl[b, h, i] * p                  # dlse / dt_c = P_c
+        dsinks[h] += dt[0]
+        du = dt[1:] if cap is None else dt[1:] * (1 - np.tanh(u / cap) ** 2)
+        dq[b, h, i] += scale * du @ k[b, kh, keys]
+        dk[b, kh, keys] += scale * np.outer(du, q[b, h, i])
+        dv[b, kh, keys] += np.outer(p[1:], g[b, h, i])
+  np.testing.assert_allclose(grads["dq"], dq, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(grads["dk"], dk, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(grads["dv"], dv, rtol=1e-10, atol=1e-12)
+  if sinks is not None:
+    np.testing.assert_allclose(grads["dsinks"], dsinks, rtol=1e-10, atol=1e-12)
