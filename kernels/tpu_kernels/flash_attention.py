@@ -15,62 +15,602 @@ position p_i = q_offset + i and key j at position j:
 A row with no visible key gives out = 0 and lse = -inf (lse = sinks[h] with sinks),
 and passes no gradient: never NaN. The sliding window follows Transformers' masks:
 a window of w shows the query's own position and the w - 1 before it.
+
+Backward (first order; lse is differentiable too, with cotangent g_lse):
+
+    di[i]  = sum_d dout[i, d] * out[i, d] - g_lse[i]
+    p      = exp(s - lse)              (recomputed per block from the saved lse)
+    dv[j]  = sum_{h in group, i} p[i, j] dout[i]
+    ds     = p * (dout . v[j] - di[i]) * (1 - tanh^2(s_raw / soft_cap))   (last factor with soft_cap)
+    dq[i]  = sm_scale * sum_j ds[i, j] k[j]
+    dk[j]  = sm_scale * sum_{h in group, i} ds[i, j] q[i]
+    dsinks[h] = -sum_{b, i} exp(sinks[h] - lse[i]) * di[i]
+
+Layout. q is viewed as [B, Hkv, G, Sq, D] (a free reshape), so one block holds the
+same rows of all G query heads of a KV head: every K/V block is loaded once per group,
+and the kernels loop over the G heads inside. Three kernels:
+
+  forward  grid (B, Hkv, q blocks, kv steps): online softmax over the kv steps, with
+           f32 running max / sum / accumulator in VMEM; writes out and lse.
+  dq       grid (B, Hkv, q blocks, kv steps): dq accumulated over the kv steps.
+  dkv      grid (B, Hkv, kv blocks, q steps): dk, dv accumulated over the q steps and
+           over the G heads of the group (no XLA reduction over heads).
+
+Block skipping. Causal masking and the sliding window bound, for each q block, the kv
+blocks it can see: [lo, hi), computed from q_offset (scalar-prefetched, so it may be a
+traced value) inside the index maps. Step t of the kv axis visits block lo + t; steps
+past hi - 1 keep the index of block hi - 1, so Pallas issues no DMA for them, and the
+kernel skips their compute. With a window the kv axis has only as many steps as a
+q block's band can touch (ceil((block_q + w - 1) / block_k) + 1), so the grid itself
+shrinks with the window. The dkv kernel does the same with the roles swapped.
+Segment ids mask inside blocks but do not skip them.
+
+Tails. Sq and Skv are padded in XLA to whole blocks (zeros; padded keys are masked,
+padded query rows are dropped, and their zero output-gradient makes them contribute
+nothing to dk / dv). Sequences that are already block multiples are not copied.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+import numpy as np
+
+from . import chips
+from . import vmem
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
+# The pallas_call names, as they appear in compiled HLO.
+FORWARD_KERNEL = "flash_attention_fwd"
+DQ_KERNEL = "flash_attention_dq"
+DKV_KERNEL = "flash_attention_dkv"
+
+# Masked logits: finite, so that max / exp never see inf - inf.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_BLOCK_CANDIDATES = (1024, 512, 256, 128)
+_MAX_SINGLE_BLOCK = 512   # sequences up to this length are one block (padded to sublanes)
+_NT = (((1,), (1,)), ((), ()))   # a @ b.T
+_NN = (((1,), (0,)), ((), ()))   # a @ b
 
 
-def attention_xla(q, k, v, *, causal=False, sm_scale=None, sliding_window=None, soft_cap=None,
-                  segment_ids=None, sinks=None, q_offset=0):
-  """The same attention in plain XLA (f32 math, O(Sq * Skv) memory): the baseline the
-  benchmarks compare against, and what `flash_attention` computes. Returns (out, lse)."""
+# ----------------------------------------------------------------------------- tiling
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """How one attention call is cut up, and the VMEM its largest kernel plans for."""
+
+  block_q: int
+  block_k: int
+  vmem_limit_bytes: int
+  vmem_plan_bytes: int
+
+
+def _seq_block_candidates(length: int, sublanes: int, fixed: int | None) -> list[int]:
+  """Block sizes along a sequence axis, largest first. One block (the length rounded up
+  to whole sublanes) for short sequences; otherwise multiples of 128 (lse, segment ids
+  and the kv mask put the sequence on lanes) that pad the last block by at most 1/8."""
+  single = vmem.round_up(max(length, 1), sublanes)
+  if fixed is not None:
+    if fixed >= single:
+      return [single]
+    if fixed % 128:
+      raise ValueError(f"a block of {fixed} over a sequence of {length} must be a multiple "
+                       f"of 128 (or cover the whole sequence)")
+    return [fixed]
+  if single <= _MAX_SINGLE_BLOCK:
+    return [single]
+  cands = [b for b in _BLOCK_CANDIDATES
+           if b <= single and vmem.round_up(length, b) - length <= length // 8]
+  return cands or [128]
+
+
+def _plan_bytes(block_q, block_k, head_dim, group, itemsize):
+  """VMEM of the hungriest kernel (dkv): double-buffered q, dout (G rows each), k, v,
+  dk, dv blocks, lse / di rows, the f32 accumulators and the f32 (block_k, block_q)
+  temporaries of one head (s, p, dp, ds)."""
+  d = vmem.lane_padded(head_dim)
+  q_rows = group * block_q
+  total = 2 * 2 * q_rows * d * itemsize             # q, dout
+  total += 2 * 2 * block_k * d * itemsize           # k, v
+  total += 2 * 2 * block_k * d * itemsize           # dk, dv out blocks
+  total += 2 * 2 * vmem.round_up(group, 8) * vmem.lane_padded(block_q) * 4   # lse, di
+  total += 2 * block_k * d * 4                      # dk, dv accumulators
+  total += 4 * block_k * vmem.lane_padded(block_q) * 4
+  # The forward and dq kernels also hold f32 accumulators for all G heads' rows, and m, l.
+  fwd = 2 * 2 * q_rows * d * itemsize + 2 * 2 * block_k * d * itemsize
+  fwd += q_rows * d * 4 + 2 * q_rows * 128 * 4 + 3 * block_q * vmem.lane_padded(block_k) * 4
+  return max(total, fwd)
+
+
+def attention_tiling(q_len: int, kv_len: int, head_dim: int, *, group: int, dtype,
+                     chip: str = chips.DEFAULT_CHIP, block_q: int | None = None,
+                     block_k: int | None = None,
+                     vmem_limit_bytes: int | None = None) -> Tiling:
+  """block_q / block_k for all three kernels from the chip's VMEM budget: the largest
+  block_k, then the largest block_q, whose plan fits (fewer grid steps, longer matmuls)."""
+  chip_ = chips.get_chip(chip)
+  itemsize = np.dtype(dtype).itemsize
+  sub = vmem.sublane_multiple(dtype)
+  q_cands = _seq_block_candidates(q_len, sub, block_q)
+  k_cands = _seq_block_candidates(kv_len, sub, block_k)
+  limit = vmem.resolve_vmem_limit(chip_, vmem_limit_bytes)
+  budget = int(limit * vmem.BUDGET_FRACTION)
+  plan = functools.partial(_plan_bytes, head_dim=head_dim, group=group, itemsize=itemsize)
+  fits = [(bq, bk) for bk in k_cands for bq in q_cands if plan(bq, bk) <= budget]
+  if fits:
+    bq, bk = max(fits, key=lambda c: (min(c), c[1], c[0]))
+    return Tiling(bq, bk, limit, plan(bq, bk))
+  bq, bk = q_cands[-1], k_cands[-1]
+  needed = plan(bq, bk)
+  if vmem_limit_bytes is None and needed / vmem.BUDGET_FRACTION <= chip_.max_vmem_limit_bytes:
+    limit = vmem.round_up(int(needed / vmem.BUDGET_FRACTION), vmem.MiB)
+    return Tiling(bq, bk, limit, needed)
+  if block_q is not None or block_k is not None or vmem_limit_bytes is not None:
+    return Tiling(bq, bk, limit, needed)
+  raise ValueError(f"attention with head_dim={head_dim}, {group} query heads per KV head "
+                   f"needs {needed} bytes of VMEM at its smallest blocks, more than "
+                   f"{chip_.name} allows")
+
+
+# ----------------------------------------------------------------------------- statics
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything static about one call (hashable)."""
+
+  causal: bool
+  sm_scale: float
+  sliding_window: int | None
+  soft_cap: float | None
+  has_segments: bool
+  has_sinks: bool
+  kv_len: int          # real keys; keys at or past it are padding
+  block_q: int
+  block_k: int
+  vmem_limit_bytes: int
+  interpret: bool
+
+
+def _kv_range(q_block, q_offset, st: _Static, num_kv_blocks):
+  """[lo, hi): the kv blocks that q block `q_block` can see (traced int32 scalars)."""
+  first = q_offset + q_block * st.block_q        # position of the block's first row
+  last = first + st.block_q - 1
+  lo = jnp.int32(0)
+  hi = jnp.int32(num_kv_blocks)
+  if st.causal:
+    hi = jnp.minimum(hi, lax.div(last, st.block_k) + 1)
+  if st.sliding_window is not None:
+    lo = lax.div(jnp.maximum(first - st.sliding_window + 1, 0), st.block_k)
+  return lo, hi
+
+
+def _q_range(kv_block, q_offset, st: _Static, num_q_blocks):
+  """[lo, hi): the q blocks that can see kv block `kv_block`."""
+  first = kv_block * st.block_k
+  last = first + st.block_k - 1
+  lo = jnp.int32(0)
+  hi = jnp.int32(num_q_blocks)
+  if st.causal:     # rows whose position q_offset + r >= first
+    lo = lax.div(jnp.maximum(first - q_offset, 0), st.block_q)
+  if st.sliding_window is not None:   # rows whose position q_offset + r < last + window
+    rows = jnp.maximum(last + st.sliding_window - q_offset, 0)
+    hi = jnp.minimum(hi, lax.div(rows + st.block_q - 1, st.block_q))
+  return lo, hi
+
+
+def _num_steps(block_along, block_across, num_blocks, st: _Static):
+  """Grid steps along the reduced axis: all blocks, or a sliding window's band."""
+  if st.sliding_window is None:
+    return num_blocks
+  band = pl.cdiv(block_along + st.sliding_window - 1, block_across) + 1
+  return min(num_blocks, band)
+
+
+def _visit(lo, hi, step):
+  """The block visited at `step` of [lo, hi) (clamped to the last one, so that no DMA
+  is issued once the range is exhausted), and whether the step computes."""
+  last = jnp.maximum(hi - 1, 0)
+  return jnp.minimum(lo + step, last), lo + step < hi
+
+
+def _visible(q_pos, k_pos, q_seg, kv_seg, st: _Static, padded_keys: bool):
+  """The visibility mask of one block (None when everything is visible)."""
+  mask = None
+
+  def both(a, b):
+    return b if a is None else a & b
+
+  if st.causal:
+    mask = both(mask, k_pos <= q_pos)
+  if st.sliding_window is not None:
+    mask = both(mask, q_pos - k_pos < st.sliding_window)
+  if padded_keys:
+    mask = both(mask, k_pos < st.kv_len)
+  if st.has_segments:
+    mask = both(mask, q_seg == kv_seg)
+  return mask
+
+
+def _logits(s, st: _Static):
+  """Scaled (and soft-capped) f32 logits; also tanh(s / soft_cap) for the backward."""
+  s = s * st.sm_scale
+  if st.soft_cap is None:
+    return s, None
+  t = jnp.tanh(s * (1.0 / st.soft_cap))
+  return st.soft_cap * t, t
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _Static,
+                    group, num_kv_blocks, padded_keys):
+  if st.has_segments:
+    q_seg_ref, kv_seg_ref, *refs = refs
+  o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+  head, q_block, step = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  bq, bk = st.block_q, st.block_k
+
+  @pl.when(step == 0)
+  def _init():
+    for g in range(group):
+      if st.has_sinks:
+        m_ref[g] = jnp.full((bq, 1), sinks_ref[head * group + g], jnp.float32)
+        l_ref[g] = jnp.ones((bq, 1), jnp.float32)
+      else:
+        m_ref[g] = jnp.full((bq, 1), _MASK_VALUE, jnp.float32)
+        l_ref[g] = jnp.zeros((bq, 1), jnp.float32)
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  q_offset = q_offset_ref[0]
+  lo, hi = _kv_range(q_block, q_offset, st, num_kv_blocks)
+  kv_block, run = _visit(lo, hi, step)
+
+  @pl.when(run)
+  def _compute():
+    k = k_ref[...]
+    v = v_ref[...]
+    q_pos = q_offset + q_block * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    k_pos = kv_block * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    q_seg = kv_seg = None
+    if st.has_segments:
+      q_seg = q_seg_ref[0][:, None]
+      kv_seg = kv_seg_ref[...]
+    mask = _visible(q_pos, k_pos, q_seg, kv_seg, st, padded_keys)
+    for g in range(group):
+      s, _ = _logits(lax.dot_general(q_ref[g], k, _NT, preferred_element_type=jnp.float32), st)
+      if mask is not None:
+        s = jnp.where(mask, s, _MASK_VALUE)
+      m_prev = m_ref[g]
+      m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+      p = jnp.exp(s - m_new)
+      if mask is not None:
+        p = jnp.where(mask, p, 0.0)   # a fully masked row has m_new = _MASK_VALUE, p = 1
+      alpha = jnp.exp(m_prev - m_new)
+      l_ref[g] = alpha * l_ref[g] + jnp.sum(p, axis=1, keepdims=True)
+      acc_ref[g] = alpha * acc_ref[g] + lax.dot_general(
+          p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
+      m_ref[g] = m_new
+
+  @pl.when(step == pl.num_programs(3) - 1)
+  def _finish():
+    for g in range(group):
+      l = l_ref[g]
+      seen = l > 0.0
+      inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+      o_ref[g] = (acc_ref[g] * inv).astype(o_ref.dtype)
+      lse = jnp.where(seen, m_ref[g] + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+      lse_ref[g] = lse[:, 0]
+
+
+def _forward(q5, k, v, sinks, q_seg, kv_seg, q_offset, st: _Static):
+  """q5 [B, Hkv, G, Sq_p, D], k / v [B, Hkv, Skv_p, D] (padded to blocks) ->
+  out [B, Hkv, G, Sq_p, D], lse [B, Hkv, G, Sq_p] f32."""
+  batch, num_kv_heads, group, q_len, head_dim = q5.shape
+  kv_len_p = k.shape[2]
+  bq, bk = st.block_q, st.block_k
+  nq, nk = q_len // bq, kv_len_p // bk
+  steps = _num_steps(bq, bk, nk, st)
+
+  def kv_map(b, h, i, t, q_offset_ref, sinks_ref):
+    lo, hi = _kv_range(i, q_offset_ref[0], st, nk)
+    return b, h, _visit(lo, hi, t)[0], 0
+
+  q_spec = pl.BlockSpec((None, None, group, bq, head_dim), lambda b, h, i, t, *_: (b, h, 0, i, 0))
+  kv_spec = pl.BlockSpec((None, None, bk, head_dim), kv_map)
+  in_specs = [q_spec, kv_spec, kv_spec]
+  operands = [q5, k, v]
+  if st.has_segments:
+    in_specs += [pl.BlockSpec((None, 1, bq), lambda b, h, i, t, *_: (b, 0, i)),
+                 pl.BlockSpec((None, 1, bk), lambda b, h, i, t, qo, sk: (b, 0, kv_map(
+                     b, h, i, t, qo, sk)[2]))]
+    operands += [q_seg, kv_seg]
+  kernel = functools.partial(_forward_kernel, st=st, group=group, num_kv_blocks=nk,
+                             padded_keys=kv_len_p != st.kv_len)
+  out, lse = pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2,
+          grid=(batch, num_kv_heads, nq, steps),
+          in_specs=in_specs,
+          out_specs=[q_spec,
+                     pl.BlockSpec((None, None, group, bq), lambda b, h, i, t, *_: (b, h, 0, i))],
+          scratch_shapes=[pltpu.VMEM((group, bq, 1), jnp.float32),
+                          pltpu.VMEM((group, bq, 1), jnp.float32),
+                          pltpu.VMEM((group, bq, head_dim), jnp.float32)]),
+      out_shape=[jax.ShapeDtypeStruct(q5.shape, q5.dtype),
+                 jax.ShapeDtypeStruct(q5.shape[:-1], jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+          vmem_limit_bytes=st.vmem_limit_bytes),
+      interpret=st.interpret,
+      name=FORWARD_KERNEL,
+  )(q_offset, sinks, *operands)
+  return out, lse
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _dq_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs,
+               st: _Static, group, num_kv_blocks, padded_keys):
+  del sinks_ref
+  if st.has_segments:
+    q_seg_ref, kv_seg_ref, *refs = refs
+  dq_ref, acc_ref = refs
+  q_block, step = pl.program_id(2), pl.program_id(3)
+  bq, bk = st.block_q, st.block_k
+
+  @pl.when(step == 0)
+  def _init():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  q_offset = q_offset_ref[0]
+  lo, hi = _kv_range(q_block, q_offset, st, num_kv_blocks)
+  kv_block, run = _visit(lo, hi, step)
+
+  @pl.when(run)
+  def _compute():
+    k = k_ref[...]
+    v = v_ref[...]
+    q_pos = q_offset + q_block * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    k_pos = kv_block * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    q_seg = kv_seg = None
+    if st.has_segments:
+      q_seg = q_seg_ref[0][:, None]
+      kv_seg = kv_seg_ref[...]
+    mask = _visible(q_pos, k_pos, q_seg, kv_seg, st, padded_keys)
+    for g in range(group):
+      s, t = _logits(lax.dot_general(q_ref[g], k, _NT, preferred_element_type=jnp.float32), st)
+      p = jnp.exp(s - lse_ref[g][:, None])
+      if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+      dp = lax.dot_general(do_ref[g], v, _NT, preferred_element_type=jnp.float32)
+      ds = p * (dp - di_ref[g][:, None])
+      if t is not None:
+        ds = ds * (1.0 - t * t)
+      acc_ref[g] += lax.dot_general(ds.astype(k.dtype), k, _NN,
+                                    preferred_element_type=jnp.float32)
+
+  @pl.when(step == pl.num_programs(3) - 1)
+  def _finish():
+    dq_ref[...] = (acc_ref[...] * st.sm_scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs,
+                st: _Static, group, num_q_blocks, padded_keys):
+  """Transposed form (keys on sublanes, query rows on lanes), so that lse and di are
+  used as the rows they are stored as."""
+  del sinks_ref
+  if st.has_segments:
+    q_seg_ref, kv_seg_ref, *refs = refs
+  dk_ref, dv_ref, dk_acc_ref, dv_acc_ref = refs
+  kv_block, step = pl.program_id(2), pl.program_id(3)
+  bq, bk = st.block_q, st.block_k
+
+  @pl.when(step == 0)
+  def _init():
+    dk_acc_ref[...] = jnp.zeros_like(dk_acc_ref)
+    dv_acc_ref[...] = jnp.zeros_like(dv_acc_ref)
+
+  q_offset = q_offset_ref[0]
+  lo, hi = _q_range(kv_block, q_offset, st, num_q_blocks)
+  q_block, run = _visit(lo, hi, step)
+
+  @pl.when(run)
+  def _compute():
+    k = k_ref[...]
+    v = v_ref[...]
+    k_pos = kv_block * bk + lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
+    q_pos = q_offset + q_block * bq + lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
+    q_seg = kv_seg = None
+    if st.has_segments:
+      q_seg = q_seg_ref[...]
+      kv_seg = kv_seg_ref[0][:, None]
+    mask = _visible(q_pos, k_pos, q_seg, kv_seg, st, padded_keys)
+    for g in range(group):
+      q = q_ref[g]
+      do = do_ref[g]
+      s, t = _logits(lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32), st)
+      p = jnp.exp(s - lse_ref[pl.ds(g, 1), :])
+      if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+      dv_acc_ref[...] += lax.dot_general(p.astype(do.dtype), do, _NN,
+                                         preferred_element_type=jnp.float32)
+      dp = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
+      ds = p * (dp - di_ref[pl.ds(g, 1), :])
+      if t is not None:
+        ds = ds * (1.0 - t * t)
+      dk_acc_ref[...] += lax.dot_general(ds.astype(q.dtype), q, _NN,
+                                         preferred_element_type=jnp.float32)
+
+  @pl.when(step == pl.num_programs(3) - 1)
+  def _finish():
+    dk_ref[...] = (dk_acc_ref[...] * st.sm_scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)
+
+
+def _backward(q5, k, v, sinks, q_seg, kv_seg, q_offset, lse, do5, di, st: _Static):
+  """Gradients of q5, k, v (padded shapes, as in `_forward`)."""
+  batch, num_kv_heads, group, q_len, head_dim = q5.shape
+  kv_len_p = k.shape[2]
+  bq, bk = st.block_q, st.block_k
+  nq, nk = q_len // bq, kv_len_p // bk
+  padded_keys = kv_len_p != st.kv_len
+  params = pltpu.CompilerParams(
+      dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+      vmem_limit_bytes=st.vmem_limit_bytes)
+
+  # dq: the forward's grid.
+  def kv_map(b, h, i, t, q_offset_ref, sinks_ref):
+    lo, hi = _kv_range(i, q_offset_ref[0], st, nk)
+    return b, h, _visit(lo, hi, t)[0], 0
+
+  q_spec = pl.BlockSpec((None, None, group, bq, head_dim), lambda b, h, i, t, *_: (b, h, 0, i, 0))
+  row_spec = pl.BlockSpec((None, None, group, bq), lambda b, h, i, t, *_: (b, h, 0, i))
+  kv_spec = pl.BlockSpec((None, None, bk, head_dim), kv_map)
+  in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+  operands = [q5, k, v, do5, lse, di]
+  if st.has_segments:
+    in_specs += [pl.BlockSpec((None, 1, bq), lambda b, h, i, t, *_: (b, 0, i)),
+                 pl.BlockSpec((None, 1, bk), lambda b, h, i, t, qo, sk: (b, 0, kv_map(
+                     b, h, i, t, qo, sk)[2]))]
+    operands += [q_seg, kv_seg]
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, st=st, group=group, num_kv_blocks=nk,
+                        padded_keys=padded_keys),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2,
+          grid=(batch, num_kv_heads, nq, _num_steps(bq, bk, nk, st)),
+          in_specs=in_specs,
+          out_specs=q_spec,
+          scratch_shapes=[pltpu.VMEM((group, bq, head_dim), jnp.float32)]),
+      out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
+      compiler_params=params, interpret=st.interpret, name=DQ_KERNEL,
+  )(q_offset, sinks, *operands)
+
+  # dk, dv: kv blocks outer, the q blocks that see them inner.
+  def q_map(b, h, j, t, q_offset_ref, sinks_ref):
+    lo, hi = _q_range(j, q_offset_ref[0], st, nq)
+    return _visit(lo, hi, t)[0]
+
+  q_spec_t = pl.BlockSpec((None, None, group, bq, head_dim),
+                          lambda b, h, j, t, *r: (b, h, 0, q_map(b, h, j, t, *r), 0))
+  row_spec_t = pl.BlockSpec((None, None, group, bq),
+                            lambda b, h, j, t, *r: (b, h, 0, q_map(b, h, j, t, *r)))
+  kv_spec_t = pl.BlockSpec((None, None, bk, head_dim), lambda b, h, j, t, *_: (b, h, j, 0))
+  in_specs = [q_spec_t, kv_spec_t, kv_spec_t, q_spec_t, row_spec_t, row_spec_t]
+  if st.has_segments:
+    in_specs += [pl.BlockSpec((None, 1, bq), lambda b, h, j, t, *r: (b, 0, q_map(b, h, j, t, *r))),
+                 pl.BlockSpec((None, 1, bk), lambda b, h, j, t, *_: (b, 0, j))]
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, st=st, group=group, num_q_blocks=nq,
+                        padded_keys=padded_keys),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2,
+          grid=(batch, num_kv_heads, nk, _num_steps(bk, bq, nq, st)),
+          in_specs=in_specs,
+          out_specs=[kv_spec_t, kv_spec_t],
+          scratch_shapes=[pltpu.VMEM((bk, head_dim), jnp.float32),
+                          pltpu.VMEM((bk, head_dim), jnp.float32)]),
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=params, interpret=st.interpret, name=DKV_KERNEL,
+  )(q_offset, sinks, *operands)
+  return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- custom VJP
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attention(q5, k, v, sinks, q_seg, kv_seg, q_offset, st):
+  return _forward(q5, k, v, sinks, q_seg, kv_seg, q_offset, st)
+
+
+def _attention_fwd(q5, k, v, sinks, q_seg, kv_seg, q_offset, st):
+  out, lse = _forward(q5, k, v, sinks, q_seg, kv_seg, q_offset, st)
+  return (out, lse), (q5, k, v, sinks, q_seg, kv_seg, q_offset, out, lse)
+
+
+def _attention_bwd(st, saved, cotangents):
+  q5, k, v, sinks, q_seg, kv_seg, q_offset, out, lse = saved
+  d_out, d_lse = cotangents
+  di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+  dq, dk, dv = _backward(q5, k, v, sinks, q_seg, kv_seg, q_offset, lse,
+                         d_out.astype(q5.dtype), di, st)
+  d_sinks = None
+  if st.has_sinks:
+    group = q5.shape[2]
+    per_head = sinks.reshape(1, -1, group, 1)
+    p_sink = jnp.exp(per_head - lse)             # 0 where lse is +inf-safe; lse >= sink
+    d_sinks = -jnp.sum(p_sink * di, axis=(0, 3)).reshape(-1).astype(sinks.dtype)
+  return dq, dk, dv, d_sinks, None, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ----------------------------------------------------------------------------- JAX API
+
+
+def _check(q, k, v, sliding_window, soft_cap, segment_ids, sinks, q_offset):
+  for name, a in (("q", q), ("k", k), ("v", v)):
+    if a.ndim != 4:
+      raise ValueError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {a.shape}")
+  if q.dtype not in FLOAT_DTYPES:
+    raise TypeError(f"q must be float32 or bfloat16, got {q.dtype}")
+  for name, a in (("k", k), ("v", v)):
+    if a.dtype != q.dtype:
+      raise TypeError(f"{name} must have q's dtype {q.dtype}, got {a.dtype}; no silent casts")
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
   batch, num_q_heads, q_len, head_dim = q.shape
-  num_kv_heads, kv_len = k.shape[1], k.shape[2]
-  group = num_q_heads // num_kv_heads
-  scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-  kf = jnp.repeat(k.astype(jnp.float32), group, axis=1)
-  vf = jnp.repeat(v.astype(jnp.float32), group, axis=1)
-  s = jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), kf,
-                 precision=jax.lax.Precision.HIGHEST) * scale
-  if soft_cap is not None:
-    s = soft_cap * jnp.tanh(s / soft_cap)
-  q_pos = q_offset + jnp.arange(q_len)[:, None]
-  k_pos = jnp.arange(kv_len)[None, :]
-  visible = jnp.ones((q_len, kv_len), bool)
-  if causal:
-    visible &= k_pos <= q_pos
-  if sliding_window is not None:
-    visible &= q_pos - k_pos < sliding_window
-  visible = visible[None, None]
+  if k.shape[0] != batch or k.shape[3] != head_dim:
+    raise ValueError(f"k / v {k.shape} must match q {q.shape} in batch and head_dim")
+  if k.shape[1] == 0 or num_q_heads % k.shape[1]:
+    raise ValueError(f"the number of query heads ({num_q_heads}) must be a multiple of the "
+                     f"number of KV heads ({k.shape[1]})")
+  if head_dim == 0:
+    raise ValueError("head_dim must be positive")
+  if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer))
+                                     or sliding_window < 1):
+    raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+  if soft_cap is not None and not soft_cap > 0:
+    raise ValueError(f"soft_cap must be None or > 0, got {soft_cap!r}")
+  if sinks is not None:
+    if sinks.shape != (num_q_heads,):
+      raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got "
+                       f"{sinks.shape}")
+    if sinks.dtype not in FLOAT_DTYPES:
+      raise TypeError(f"sinks must be float32 or bfloat16, got {sinks.dtype}")
   if segment_ids is not None:
-    q_seg, kv_seg = _split_segment_ids(segment_ids, q_len, kv_len)
-    visible = visible & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
-  s = jnp.where(visible, s, -jnp.inf)
-  m = jnp.max(s, axis=-1)
-  if sinks is not None:
-    m = jnp.maximum(m, sinks.astype(jnp.float32)[None, :, None])
-  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.exp(s - m_safe[..., None])
-  denom = jnp.sum(p, axis=-1)
-  if sinks is not None:
-    denom = denom + jnp.exp(sinks.astype(jnp.float32)[None, :, None] - m_safe)
-  out = jnp.einsum("bhqk,bhkd->bhqd", p, vf, precision=jax.lax.Precision.HIGHEST)
-  out = jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
-  lse = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
-  return out.astype(q.dtype), lse
-
-
-def _split_segment_ids(segment_ids, q_len, kv_len):
-  if isinstance(segment_ids, (tuple, list)):
-    return segment_ids
-  return segment_ids, segment_ids
+    if isinstance(segment_ids, (tuple, list)):
+      if len(segment_ids) != 2:
+        raise ValueError("segment_ids must be one [B, S] array or a pair (q_segment_ids, "
+                         "kv_segment_ids)")
+      q_seg, kv_seg = segment_ids
+    else:
+      if q_len != k.shape[2]:
+        raise ValueError(f"a single segment_ids array needs Sq == Skv (got {q_len} and "
+                         f"{k.shape[2]}); pass (q_segment_ids, kv_segment_ids)")
+      q_seg = kv_seg = segment_ids
+    for name, a, length in (("q segment_ids", q_seg, q_len), ("kv segment_ids", kv_seg,
+                                                              k.shape[2])):
+      if a.shape != (batch, length):
+        raise ValueError(f"{name} must have shape ({batch}, {length}), got {a.shape}")
+      if not jnp.issubdtype(a.dtype, jnp.integer):
+        raise TypeError(f"{name} must be integers, got {a.dtype}")
+  if isinstance(q_offset, (int, np.integer)) and q_offset < 0:
+    raise ValueError(f"q_offset must be >= 0, got {q_offset}")
 
 
 def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
@@ -96,16 +636,106 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
     q_offset: int or int32 scalar (may be traced), >= 0: the position of query row 0
       in the key sequence (chunked prefill).
     return_lse: also return lse [B, Hq, Sq] float32.
-    chip, block_q, block_k, vmem_limit_bytes: tiling (default from the chip's VMEM budget).
+    chip: tiles and VMEM limit for "v5e", "v6e", "v5p" or "v7" (default v6e).
+    block_q, block_k, vmem_limit_bytes: override the tiling (`attention_tiling`).
     interpret: run in Pallas interpret mode (CPU).
 
   Returns:
     out [B, Hq, Sq, D] in q's dtype, or (out, lse) when return_lse. Differentiable with
     respect to q, k, v and sinks (and through lse).
   """
-  # TEMPORARY (contract only): the Pallas kernels replace this XLA path.
-  del chip, block_q, block_k, vmem_limit_bytes, interpret
-  out, lse = attention_xla(q, k, v, causal=causal, sm_scale=sm_scale,
-                           sliding_window=sliding_window, soft_cap=soft_cap,
-                           segment_ids=segment_ids, sinks=sinks, q_offset=q_offset)
-  return (out, lse) if return_lse else out
+  _check(q, k, v, sliding_window, soft_cap, segment_ids, sinks, q_offset)
+  batch, num_q_heads, q_len, head_dim = q.shape
+  num_kv_heads, kv_len = k.shape[1], k.shape[2]
+  group = num_q_heads // num_kv_heads
+  chip = chips.DEFAULT_CHIP if chip is None else chip
+  if q_len == 0 or kv_len == 0:
+    out = jnp.zeros(q.shape, q.dtype)
+    lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+    if sinks is not None:
+      lse = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], lse.shape)
+    return (out, lse) if return_lse else out
+  t = attention_tiling(q_len, kv_len, head_dim, group=group, dtype=q.dtype, chip=chip,
+                       block_q=block_q, block_k=block_k, vmem_limit_bytes=vmem_limit_bytes)
+  st = _Static(
+      causal=bool(causal),
+      sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),
+      sliding_window=None if sliding_window is None else int(sliding_window),
+      soft_cap=None if soft_cap is None else float(soft_cap),
+      has_segments=segment_ids is not None, has_sinks=sinks is not None, kv_len=kv_len,
+      block_q=t.block_q, block_k=t.block_k, vmem_limit_bytes=t.vmem_limit_bytes,
+      interpret=bool(interpret))
+  q_len_p, kv_len_p = vmem.round_up(q_len, t.block_q), vmem.round_up(kv_len, t.block_k)
+
+  def pad(a, axis, to):
+    if a.shape[axis] == to:
+      return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, to - a.shape[axis])
+    return jnp.pad(a, widths)
+
+  q5 = pad(q.reshape(batch, num_kv_heads, group, q_len, head_dim), 3, q_len_p)
+  k_p, v_p = pad(k, 2, kv_len_p), pad(v, 2, kv_len_p)
+  q_seg = kv_seg = None
+  if segment_ids is not None:
+    q_seg, kv_seg = _split_segment_ids(segment_ids)
+    q_seg = pad(q_seg.astype(jnp.int32), 1, q_len_p)[:, None, :]
+    kv_seg = pad(kv_seg.astype(jnp.int32), 1, kv_len_p)[:, None, :]
+  # Scalar-prefetched (SMEM holds 32-bit words): sinks in f32, a dummy when absent.
+  sinks_f32 = jnp.zeros((1,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+  q_offset_arg = jnp.asarray(q_offset, jnp.int32).reshape(1)
+  out5, lse4 = _attention(q5, k_p, v_p, sinks_f32, q_seg, kv_seg, q_offset_arg, st)
+  out = out5[:, :, :, :q_len].reshape(q.shape)
+  if not return_lse:
+    return out
+  return out, lse4[:, :, :, :q_len].reshape(batch, num_q_heads, q_len)
+
+
+def _split_segment_ids(segment_ids):
+  if isinstance(segment_ids, (tuple, list)):
+    return tuple(segment_ids)
+  return segment_ids, segment_ids
+
+
+# ----------------------------------------------------------------------------- XLA baseline
+
+
+def attention_xla(q, k, v, *, causal=False, sm_scale=None, sliding_window=None, soft_cap=None,
+                  segment_ids=None, sinks=None, q_offset=0):
+  """The same attention in plain XLA (f32 math, O(Sq * Skv) memory): the baseline the
+  benchmarks compare against. Returns (out, lse)."""
+  batch, num_q_heads, q_len, head_dim = q.shape
+  num_kv_heads, kv_len = k.shape[1], k.shape[2]
+  group = num_q_heads // num_kv_heads
+  scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+  kf = jnp.repeat(k.astype(jnp.float32), group, axis=1)
+  vf = jnp.repeat(v.astype(jnp.float32), group, axis=1)
+  s = jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), kf,
+                 precision=lax.Precision.HIGHEST) * scale
+  if soft_cap is not None:
+    s = soft_cap * jnp.tanh(s / soft_cap)
+  q_pos = q_offset + jnp.arange(q_len)[:, None]
+  k_pos = jnp.arange(kv_len)[None, :]
+  visible = jnp.ones((q_len, kv_len), bool)
+  if causal:
+    visible &= k_pos <= q_pos
+  if sliding_window is not None:
+    visible &= q_pos - k_pos < sliding_window
+  visible = visible[None, None]
+  if segment_ids is not None:
+    q_seg, kv_seg = _split_segment_ids(segment_ids)
+    visible = visible & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
+  s = jnp.where(visible, s, -jnp.inf)
+  m = jnp.max(s, axis=-1)
+  if sinks is not None:
+    m = jnp.maximum(m, sinks.astype(jnp.float32)[None, :, None])
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(s - m_safe[..., None])
+  denom = jnp.sum(p, axis=-1)
+  if sinks is not None:
+    denom = denom + jnp.exp(sinks.astype(jnp.float32)[None, :, None] - m_safe)
+  out = jnp.einsum("bhqk,bhkd->bhqd", p, vf, precision=lax.Precision.HIGHEST)
+  safe = jnp.where(denom > 0, denom, 1.0)
+  out = jnp.where(denom[..., None] > 0, out / safe[..., None], 0.0)
+  lse = jnp.where(denom > 0, m_safe + jnp.log(safe), -jnp.inf)
+  return out.astype(q.dtype), lse
