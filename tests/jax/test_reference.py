@@ -228,3 +228,142 @@ def test_attention_grads_match_explicit_jacobian(case):
   np.testing.assert_allclose(grads["dv"], dv, rtol=1e-10, atol=1e-12)
   if sinks is not None:
     np.testing.assert_allclose(grads["dsinks"], dsinks, rtol=1e-10, atol=1e-12)
+
+
+def _flash_model(q, k, v, g, gl, bf16, opts, block_k=128, cap_grad=True):
+  """A NumPy model of a flash kernel's roundings (not of its code): f32 logits and
+  statistics, a blocked online softmax, P rounded to bf16 before the PV matmul, out
+  rounded to bf16; backward with D from the rounded out, P and dS rounded to bf16
+  before their matmuls, gradients rounded to bf16. Returns (out, lse, grads)."""
+  import ml_dtypes
+  rnd = (lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)) if bf16 else (
+      lambda a: a.astype(np.float32))
+  f32 = np.float32
+  batch, num_q_heads, q_len, head_dim = q.shape
+  num_kv_heads, kv_len = k.shape[1], k.shape[2]
+  group = num_q_heads // num_kv_heads
+  scale = f32(opts.get("sm_scale") or 1 / np.sqrt(head_dim))
+  q = q.astype(f32)
+  k, v = np.repeat(k, group, 1).astype(f32), np.repeat(v, group, 1).astype(f32)
+  s = np.einsum("bhid,bhjd->bhij", q, k) * scale
+  cap = opts.get("soft_cap")
+  if cap is not None:
+    s = f32(cap) * np.tanh(s / f32(cap))
+  vis = ref.attention_visible(batch, q_len, kv_len, causal=opts.get("causal", False),
+                              sliding_window=opts.get("sliding_window"),
+                              q_offset=opts.get("q_offset", 0))[:, None]
+  s = np.where(vis, s, -np.inf).astype(f32)
+  sinks = opts.get("sinks")
+  shape = (batch, num_q_heads, q_len)
+  m = np.full(shape, -np.inf, f32) if sinks is None else np.broadcast_to(
+      sinks.astype(f32)[None, :, None], shape).copy()
+  l = np.zeros(shape, f32) if sinks is None else np.ones(shape, f32)
+  acc = np.zeros(q.shape, f32)
+  for j0 in range(0, kv_len, block_k):
+    blk = s[..., j0:j0 + block_k]
+    m_new = np.maximum(m, blk.max(-1))
+    m_safe = np.where(np.isfinite(m_new), m_new, 0).astype(f32)
+    alpha = np.exp(np.where(np.isfinite(m), m - m_safe, -np.inf)).astype(f32)
+    p = np.exp(blk - m_safe[..., None]).astype(f32)
+    l = alpha * l + p.sum(-1, dtype=f32)
+    acc = alpha[..., None] * acc + np.einsum("bhij,bhjd->bhid", rnd(p), v[:, :, j0:j0 + block_k])
+    m = m_new
+  out = rnd(np.where(l[..., None] > 0, acc / np.where(l > 0, l, 1)[..., None], 0))
+  lse = np.where(l > 0, np.where(np.isfinite(m), m, 0) + np.log(np.where(l > 0, l, 1)),
+                 -np.inf).astype(f32)
+  g = g.astype(f32)
+  p = np.exp(s - np.where(np.isfinite(lse), lse, 0)[..., None]).astype(f32)
+  d_row = (g * out).sum(-1, dtype=f32)
+  ds = p * (np.einsum("bhid,bhjd->bhij", g, v) - d_row[..., None] + gl[..., None])
+  if cap is not None and cap_grad:
+    ds = ds * (1 - (np.where(vis, s, 0) / f32(cap)) ** 2)
+  fold = lambda a: a.reshape(batch, num_kv_heads, group, kv_len, head_dim).sum(2)
+  grads = dict(dq=rnd(np.einsum("bhij,bhjd->bhid", rnd(ds), k) * scale),
+               dk=rnd(fold(np.einsum("bhij,bhid->bhjd", rnd(ds), q) * scale)),
+               dv=rnd(fold(np.einsum("bhij,bhid->bhjd", rnd(p), g))), dsinks=None)
+  if sinks is not None:
+    grads["dsinks"] = -(np.exp(sinks.astype(f32)[None, :, None] - lse)
+                        * (d_row - gl)).sum((0, 2))
+  return out, lse, grads
+
+
+def _model_problem(seed):
+  import ml_dtypes
+  rng = np.random.default_rng(seed)
+  dtype = ["float32", "bfloat16"][seed % 2]
+  np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+  kv_len = int(rng.choice([1, 7, 200, 300]))
+  num_kv_heads, group = int(rng.integers(1, 3)), int(rng.integers(1, 5))
+  q_len, head_dim = int(rng.choice([1, 5, 130])), int(rng.choice([64, 256]))
+  opts = dict(causal=bool(rng.integers(2)), q_offset=int(rng.integers(0, 20)),
+              sliding_window=None if rng.integers(2) else int(rng.integers(1, kv_len + 10)),
+              soft_cap=None if rng.integers(2) else float(rng.choice([5.0, 30.0])),
+              sm_scale=None if rng.integers(2) else float(rng.choice([0.05, 0.3, 1.0])),
+              sinks=None if rng.integers(2) else (rng.standard_normal(num_kv_heads * group)
+                                                  * rng.choice([1, 20])).astype(np.float32))
+  q = rng.standard_normal((2, num_kv_heads * group, q_len, head_dim)).astype(np_dtype)
+  k, v = (rng.standard_normal((2, num_kv_heads, kv_len, head_dim)).astype(np_dtype)
+          for _ in range(2))
+  g = rng.standard_normal(q.shape).astype(np_dtype)
+  gl = rng.standard_normal(q.shape[:3]).astype(np.float32)
+  return dtype, opts, q, k, v, g, gl
+
+
+def _failures(dtype, opts, q, k, v, g, gl, out, lse, grads):
+  """The quantities outside their tolerance, with the messages."""
+  failures = {}
+
+  def check(name, *args, **kwargs):
+    try:
+      ref.assert_close(*args, what=name, **kwargs)
+    except AssertionError as e:
+      failures[name] = str(e)
+
+  want_out, want_lse = ref.attention(q, k, v, **opts)
+  check("out", out, want_out, ref.ATTENTION_TOLERANCE[dtype])
+  if (np.isneginf(lse) != np.isneginf(want_lse)).any():
+    failures["lse"] = "-inf in different places"
+  fin = np.isfinite(want_lse)
+  check("lse", lse[fin], want_lse[fin], ref.ATTENTION_LSE_TOLERANCE[dtype],
+        scale=max(float(np.abs(want_lse[fin]).max(initial=0)), 1.0))
+  want = ref.attention_grads(q, k, v, g, grad_lse=gl, **opts)
+  scales = ref.attention_grad_scales(q, k, v, g, grad_lse=gl, **opts)
+  for name in ("dq", "dk", "dv", "dsinks"):
+    if want[name] is not None:
+      check(name, grads[name], want[name], ref.ATTENTION_GRAD_TOLERANCE[dtype],
+            scale=scales[name])
+  return failures
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_attention_tolerances_admit_a_flash_kernels_roundings(seed):
+  """The tolerances are not tighter than the roundings every flash kernel makes."""
+  dtype, opts, q, k, v, g, gl = _model_problem(seed)
+  out, lse, grads = _flash_model(q, k, v, g, gl, dtype == "bfloat16", opts)
+  assert not _failures(dtype, opts, q, k, v, g, gl, out, lse, grads)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mistake, expected", [
+    ("window_off_by_one", "lse"), ("causal_off_by_one", "lse"), ("no_sink", "lse"),
+    ("no_cap_derivative", "dq")])
+def test_attention_tolerances_reject_masking_mistakes(dtype, mistake, expected):
+  """... and not so loose that an off-by-one mask or a dropped term passes."""
+  import ml_dtypes
+  np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+  rng = np.random.default_rng(7)
+  q = rng.standard_normal((1, 2, 200, 64)).astype(np_dtype)
+  k, v = (rng.standard_normal((1, 1, 200, 64)).astype(np_dtype) for _ in range(2))
+  g = rng.standard_normal(q.shape).astype(np_dtype)
+  gl = rng.standard_normal(q.shape[:3]).astype(np.float32)
+  opts = dict(causal=True, sliding_window=150, soft_cap=2.0, sinks=np.array([0.5, -1.0]))
+  wrong = dict(opts)
+  if mistake == "window_off_by_one":
+    wrong["sliding_window"] = 151
+  elif mistake == "causal_off_by_one":
+    wrong["q_offset"] = 1      # each query sees one key too many
+  elif mistake == "no_sink":
+    wrong["sinks"] = np.array([-50.0, -50.0])
+  out, lse, grads = _flash_model(q, k, v, g, gl, dtype == "bfloat16", wrong,
+                                 cap_grad=mistake != "no_cap_derivative")
+  assert expected in _failures(dtype, opts, q, k, v, g, gl, out, lse, grads)
