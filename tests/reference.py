@@ -361,7 +361,7 @@ def _attention_parts(q, k, v, causal, sm_scale, sliding_window, soft_cap, segmen
   group = num_q_heads // k.shape[1]
   k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)   # head h -> KV h // G
   scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-  u = scale * np.einsum("bhid,bhjd->bhij", q, k)
+  u = scale * (q @ np.swapaxes(k, -1, -2))
   t = u if soft_cap is None else soft_cap * np.tanh(u / soft_cap)
   vis = attention_visible(batch, q_len, k.shape[2], causal=causal,
                           sliding_window=sliding_window, segment_ids=segment_ids,
@@ -377,7 +377,7 @@ def _attention_parts(q, k, v, causal, sm_scale, sliding_window, soft_cap, segmen
   p = e / np.where(denom > 0, denom, 1.0)[..., None]
   p_sink = None if sink is None else np.exp(sink - lse)
   return dict(q=q, k=k, v=v, scale=scale, t=t, p=p, p_sink=p_sink, lse=lse,
-              out=np.einsum("bhij,bhjd->bhid", p, v), group=group)
+              out=p @ v, group=group)
 
 
 def attention(q, k, v, *, causal=False, sm_scale=None, sliding_window=None, soft_cap=None,
@@ -411,13 +411,13 @@ def attention_grads(q, k, v, grad_out, *, causal=False, sm_scale=None, sliding_w
   g = f64(grad_out)
   gl = 0.0 if grad_lse is None else f64(grad_lse)[..., None]
   p = r["p"]
-  dp = np.einsum("bhid,bhjd->bhij", g, r["v"])
+  dp = g @ np.swapaxes(r["v"], -1, -2)
   d_row = np.sum(p * dp, axis=-1, keepdims=True)
   dt = p * (dp - d_row + gl)
   du = dt if soft_cap is None else dt * (1.0 - (r["t"] / soft_cap) ** 2)
-  dq = r["scale"] * np.einsum("bhij,bhjd->bhid", du, r["k"])
-  dk = r["scale"] * np.einsum("bhij,bhid->bhjd", du, r["q"])
-  dv = np.einsum("bhij,bhid->bhjd", p, g)
+  dq = r["scale"] * (du @ r["k"])
+  dk = r["scale"] * (np.swapaxes(du, -1, -2) @ r["q"])
+  dv = np.swapaxes(p, -1, -2) @ g
   batch, num_q_heads, kv_len, head_dim = dk.shape
   fold = lambda a: a.reshape(batch, num_q_heads // r["group"], r["group"], kv_len,
                              head_dim).sum(axis=2)
@@ -452,8 +452,8 @@ def attention_grad_scales(q, k, v, grad_out, *, causal=False, sm_scale=None,
                           grad_lse=grad_lse)
   d_abs = np.sum(np.abs(f64(grad_out) * r["out"]), axis=-1)                 # [B, Hq, Sq]
   p = r["p"]
-  d_dq = r["scale"] * d_abs[..., None] * np.einsum("bhij,bhjd->bhid", p, np.abs(r["k"]))
-  d_dk = r["scale"] * np.einsum("bhij,bhid->bhjd", p * d_abs[..., None], np.abs(r["q"]))
+  d_dq = r["scale"] * d_abs[..., None] * (p @ np.abs(r["k"]))
+  d_dk = r["scale"] * (np.swapaxes(p * d_abs[..., None], -1, -2) @ np.abs(r["q"]))
   batch, num_q_heads, kv_len, head_dim = d_dk.shape
   d_dk = d_dk.reshape(batch, num_q_heads // r["group"], r["group"], kv_len,
                       head_dim).sum(axis=2)
@@ -464,3 +464,40 @@ def attention_grad_scales(q, k, v, grad_out, *, causal=False, sm_scale=None,
     scales["dsinks"] = max(top(grads["dsinks"]),
                            top(np.sum(r["p_sink"] * d_abs, axis=(0, 2))))
   return scales
+
+
+def attention_mismatches(dtype, q, k, v, out, lse=None, grads=None, *, grad_out=None,
+                         grad_lse=None, **options) -> dict:
+  """{quantity: message} for every result outside its tolerance (empty when all agree).
+
+  out / lse: the kernel's forward; grads: dict(dq, dk, dv[, dsinks]) of
+  sum(grad_out * out) + sum(grad_lse * lse). lse must be -inf exactly where the
+  reference's is; its finite entries are judged with scale max(max|lse|, 1) (see the
+  tolerances above); each gradient against `attention_grad_scales`.
+  """
+  failures = {}
+
+  def check(name, *args, **kwargs):
+    try:
+      assert_close(*args, what=name, **kwargs)
+    except AssertionError as e:
+      failures[name] = str(e)
+
+  want_out, want_lse = attention(q, k, v, **options)
+  check("out", out, want_out, ATTENTION_TOLERANCE[dtype])
+  if lse is not None:
+    lse = f64(lse)
+    if lse.shape != want_lse.shape or (np.isneginf(lse) != np.isneginf(want_lse)).any():
+      failures["lse"] = "lse: -inf (fully masked rows) in different places"
+    else:
+      fin = np.isfinite(want_lse)
+      check("lse", lse[fin], want_lse[fin], ATTENTION_LSE_TOLERANCE[dtype],
+            scale=max(float(np.max(np.abs(want_lse[fin]), initial=0.0)), 1.0))
+  if grads is not None:
+    want = attention_grads(q, k, v, grad_out, grad_lse=grad_lse, **options)
+    scales = attention_grad_scales(q, k, v, grad_out, grad_lse=grad_lse, **options)
+    for name in ("dq", "dk", "dv", "dsinks"):
+      if want[name] is not None:
+        check(name, grads[name], want[name], ATTENTION_GRAD_TOLERANCE[dtype],
+              scale=scales[name])
+  return failures

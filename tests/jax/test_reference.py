@@ -310,29 +310,8 @@ def _model_problem(seed):
 
 
 def _failures(dtype, opts, q, k, v, g, gl, out, lse, grads):
-  """The quantities outside their tolerance, with the messages."""
-  failures = {}
-
-  def check(name, *args, **kwargs):
-    try:
-      ref.assert_close(*args, what=name, **kwargs)
-    except AssertionError as e:
-      failures[name] = str(e)
-
-  want_out, want_lse = ref.attention(q, k, v, **opts)
-  check("out", out, want_out, ref.ATTENTION_TOLERANCE[dtype])
-  if (np.isneginf(lse) != np.isneginf(want_lse)).any():
-    failures["lse"] = "-inf in different places"
-  fin = np.isfinite(want_lse)
-  check("lse", lse[fin], want_lse[fin], ref.ATTENTION_LSE_TOLERANCE[dtype],
-        scale=max(float(np.abs(want_lse[fin]).max(initial=0)), 1.0))
-  want = ref.attention_grads(q, k, v, g, grad_lse=gl, **opts)
-  scales = ref.attention_grad_scales(q, k, v, g, grad_lse=gl, **opts)
-  for name in ("dq", "dk", "dv", "dsinks"):
-    if want[name] is not None:
-      check(name, grads[name], want[name], ref.ATTENTION_GRAD_TOLERANCE[dtype],
-            scale=scales[name])
-  return failures
+  return ref.attention_mismatches(dtype, q, k, v, out, lse, grads, grad_out=g, grad_lse=gl,
+                                  **opts)
 
 
 @pytest.mark.parametrize("seed", range(16))
