@@ -76,6 +76,7 @@ DKV_KERNEL = "flash_attention_dkv"
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _BLOCK_CANDIDATES = (1024, 512, 256, 128)
 _MAX_SINGLE_BLOCK = 512   # sequences up to this length are one block (padded to sublanes)
+_LANES = 128
 _NT = (((1,), (1,)), ((), ()))   # a @ b.T
 _NN = (((1,), (0,)), ((), ()))   # a @ b
 
@@ -180,6 +181,14 @@ class _Static:
   interpret: bool
 
 
+def _div(x, block: int):
+  """x // block for a traced x >= 0. A shift when block is a power of two: libtpu's static
+  estimator mis-rates run-time divisions (see ../shared notes), the hardware does not care."""
+  if block & (block - 1) == 0:
+    return lax.shift_right_logical(x, jnp.int32(block.bit_length() - 1))
+  return lax.div(x, jnp.int32(block))
+
+
 def _kv_range(q_block, q_offset, st: _Static, num_kv_blocks):
   """[lo, hi): the kv blocks that q block `q_block` can see (traced int32 scalars)."""
   first = q_offset + q_block * st.block_q        # position of the block's first row
@@ -187,9 +196,9 @@ def _kv_range(q_block, q_offset, st: _Static, num_kv_blocks):
   lo = jnp.int32(0)
   hi = jnp.int32(num_kv_blocks)
   if st.causal:
-    hi = jnp.minimum(hi, lax.div(last, st.block_k) + 1)
+    hi = jnp.minimum(hi, _div(last, st.block_k) + 1)
   if st.sliding_window is not None:
-    lo = lax.div(jnp.maximum(first - st.sliding_window + 1, 0), st.block_k)
+    lo = _div(jnp.maximum(first - st.sliding_window + 1, 0), st.block_k)
   return lo, hi
 
 
@@ -200,10 +209,10 @@ def _q_range(kv_block, q_offset, st: _Static, num_q_blocks):
   lo = jnp.int32(0)
   hi = jnp.int32(num_q_blocks)
   if st.causal:     # rows whose position q_offset + r >= first
-    lo = lax.div(jnp.maximum(first - q_offset, 0), st.block_q)
+    lo = _div(jnp.maximum(first - q_offset, 0), st.block_q)
   if st.sliding_window is not None:   # rows whose position q_offset + r < last + window
     rows = jnp.maximum(last + st.sliding_window - q_offset, 0)
-    hi = jnp.minimum(hi, lax.div(rows + st.block_q - 1, st.block_q))
+    hi = jnp.minimum(hi, _div(rows + st.block_q - 1, st.block_q))
   return lo, hi
 
 
@@ -240,6 +249,17 @@ def _visible(q_pos, k_pos, q_seg, kv_seg, st: _Static, padded_keys: bool):
   return mask
 
 
+def _lanes(x, width: int):
+  """(rows, 128) with equal lanes -> (rows, width). Whole-vreg copies when width is a
+  multiple of 128 (the softmax statistics are kept lane-replicated for this reason:
+  a (rows, 1) column would need a lane broadcast per use)."""
+  if width % _LANES == 0:
+    return jnp.tile(x, (1, width // _LANES))
+  if width < _LANES:
+    return x[:, :width]
+  return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
+
+
 def _logits(s, st: _Static):
   """Scaled (and soft-capped) f32 logits; also tanh(s / soft_cap) for the backward."""
   s = s * st.sm_scale
@@ -258,17 +278,17 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
     q_seg_ref, kv_seg_ref, *refs = refs
   o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
   head, q_block, step = pl.program_id(1), pl.program_id(2), pl.program_id(3)
-  bq, bk = st.block_q, st.block_k
+  bq, bk, head_dim = st.block_q, st.block_k, acc_ref.shape[-1]
 
   @pl.when(step == 0)
   def _init():
     for g in range(group):
       if st.has_sinks:
-        m_ref[g] = jnp.full((bq, 1), sinks_ref[head * group + g], jnp.float32)
-        l_ref[g] = jnp.ones((bq, 1), jnp.float32)
+        m_ref[g] = jnp.full((bq, _LANES), sinks_ref[head * group + g], jnp.float32)
+        l_ref[g] = jnp.ones((bq, _LANES), jnp.float32)
       else:
-        m_ref[g] = jnp.full((bq, 1), _MASK_VALUE, jnp.float32)
-        l_ref[g] = jnp.zeros((bq, 1), jnp.float32)
+        m_ref[g] = jnp.full((bq, _LANES), _MASK_VALUE, jnp.float32)
+        l_ref[g] = jnp.zeros((bq, _LANES), jnp.float32)
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
   q_offset = q_offset_ref[0]
@@ -290,14 +310,14 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
       s, _ = _logits(lax.dot_general(q_ref[g], k, _NT, preferred_element_type=jnp.float32), st)
       if mask is not None:
         s = jnp.where(mask, s, _MASK_VALUE)
-      m_prev = m_ref[g]
+      m_prev = m_ref[g]                                   # (bq, 128), lanes equal
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-      p = jnp.exp(s - m_new)
+      p = jnp.exp(s - _lanes(m_new, bk))
       if mask is not None:
         p = jnp.where(mask, p, 0.0)   # a fully masked row has m_new = _MASK_VALUE, p = 1
       alpha = jnp.exp(m_prev - m_new)
       l_ref[g] = alpha * l_ref[g] + jnp.sum(p, axis=1, keepdims=True)
-      acc_ref[g] = alpha * acc_ref[g] + lax.dot_general(
+      acc_ref[g] = _lanes(alpha, head_dim) * acc_ref[g] + lax.dot_general(
           p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
       m_ref[g] = m_new
 
@@ -307,7 +327,7 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
       l = l_ref[g]
       seen = l > 0.0
       inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-      o_ref[g] = (acc_ref[g] * inv).astype(o_ref.dtype)
+      o_ref[g] = (acc_ref[g] * _lanes(inv, head_dim)).astype(o_ref.dtype)
       lse = jnp.where(seen, m_ref[g] + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
       lse_ref[g] = lse[:, 0]
 
@@ -344,8 +364,8 @@ def _forward(q5, k, v, sinks, q_seg, kv_seg, q_offset, st: _Static):
           in_specs=in_specs,
           out_specs=[q_spec,
                      pl.BlockSpec((None, None, group, bq), lambda b, h, i, t, *_: (b, h, 0, i))],
-          scratch_shapes=[pltpu.VMEM((group, bq, 1), jnp.float32),
-                          pltpu.VMEM((group, bq, 1), jnp.float32),
+          scratch_shapes=[pltpu.VMEM((group, bq, _LANES), jnp.float32),
+                          pltpu.VMEM((group, bq, _LANES), jnp.float32),
                           pltpu.VMEM((group, bq, head_dim), jnp.float32)]),
       out_shape=[jax.ShapeDtypeStruct(q5.shape, q5.dtype),
                  jax.ShapeDtypeStruct(q5.shape[:-1], jnp.float32)],
