@@ -43,7 +43,9 @@ past hi - 1 keep the index of block hi - 1, so Pallas issues no DMA for them, an
 kernel skips their compute. With a window the kv axis has only as many steps as a
 q block's band can touch (ceil((block_q + w - 1) / block_k) + 1), so the grid itself
 shrinks with the window. The dkv kernel does the same with the roles swapped.
-Segment ids mask inside blocks but do not skip them.
+Blocks that the causal / window / key-padding mask crosses run a masked copy of the
+body; the interior blocks run it without iotas, compares or selects. Segment ids mask
+inside every block and do not skip any.
 
 Tails. Sq and Skv are padded in XLA to whole blocks (zeros; padded keys are masked,
 padded query rows are dropped, and their zero output-gradient makes them contribute
@@ -231,6 +233,36 @@ def _visit(lo, hi, step):
   return jnp.minimum(lo + step, last), lo + step < hi
 
 
+def _needs_mask(q_first, k_first, st: _Static, padded_keys: bool):
+  """Whether a (q block, kv block) pair holds any invisible pair: a traced bool, True
+  (segment ids: any block may), or None (nothing is ever masked). Interior blocks skip
+  the mask's iotas, compares and selects."""
+  if st.has_segments:
+    return True
+  q_last, k_last = q_first + st.block_q - 1, k_first + st.block_k - 1
+  needs = None
+
+  def either(a, b):
+    return b if a is None else a | b
+
+  if st.causal:
+    needs = either(needs, k_last > q_first)
+  if st.sliding_window is not None:
+    needs = either(needs, q_last - k_first >= st.sliding_window)
+  if padded_keys:
+    needs = either(needs, k_last >= st.kv_len)
+  return needs
+
+
+def _run_block(run, needs_mask, compute):
+  """compute(masked) on the steps that `run`, masked only where `needs_mask`."""
+  if needs_mask is None or needs_mask is True:
+    pl.when(run)(lambda: compute(needs_mask is True))
+    return
+  pl.when(run & needs_mask)(lambda: compute(True))
+  pl.when(run & jnp.logical_not(needs_mask))(lambda: compute(False))
+
+
 def _visible(q_pos, k_pos, q_seg, kv_seg, st: _Static, padded_keys: bool):
   """The visibility mask of one block (None when everything is visible)."""
   mask = None
@@ -295,17 +327,18 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
   lo, hi = _kv_range(q_block, q_offset, st, num_kv_blocks)
   kv_block, run = _visit(lo, hi, step)
 
-  @pl.when(run)
-  def _compute():
+  def _compute(masked):
     k = k_ref[...]
     v = v_ref[...]
-    q_pos = q_offset + q_block * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    k_pos = kv_block * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    q_seg = kv_seg = None
-    if st.has_segments:
-      q_seg = q_seg_ref[0][:, None]
-      kv_seg = kv_seg_ref[...]
-    mask = _visible(q_pos, k_pos, q_seg, kv_seg, st, padded_keys)
+    mask = None
+    if masked:
+      q_pos = q_first + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+      k_pos = kv_block * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+      q_seg = kv_seg = None
+      if st.has_segments:
+        q_seg = q_seg_ref[0][:, None]
+        kv_seg = kv_seg_ref[...]
+      mask = _visible(q_pos, k_pos, q_seg, kv_seg, st, padded_keys)
     for g in range(group):
       s, _ = _logits(lax.dot_general(q_ref[g], k, _NT, preferred_element_type=jnp.float32), st)
       if mask is not None:
@@ -320,6 +353,9 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
       acc_ref[g] = _lanes(alpha, head_dim) * acc_ref[g] + lax.dot_general(
           p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
       m_ref[g] = m_new
+
+  q_first = q_offset + q_block * bq
+  _run_block(run, _needs_mask(q_first, kv_block * bk, st, padded_keys), _compute)
 
   @pl.when(step == pl.num_programs(3) - 1)
   def _finish():
@@ -398,17 +434,18 @@ def _dq_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di
   lo, hi = _kv_range(q_block, q_offset, st, num_kv_blocks)
   kv_block, run = _visit(lo, hi, step)
 
-  @pl.when(run)
-  def _compute():
+  def _compute(masked):
     k = k_ref[...]
     v = v_ref[...]
-    q_pos = q_offset + q_block * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    k_pos = kv_block * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    q_seg = kv_seg = None
-    if st.has_segments:
-      q_seg = q_seg_ref[0][:, None]
-      kv_seg = kv_seg_ref[...]
-    mask = _visible(q_pos, k_pos, q_seg, kv_seg, st, padded_keys)
+    mask = None
+    if masked:
+      q_pos = q_first + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+      k_pos = kv_block * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+      q_seg = kv_seg = None
+      if st.has_segments:
+        q_seg = q_seg_ref[0][:, None]
+        kv_seg = kv_seg_ref[...]
+      mask = _visible(q_pos, k_pos, q_seg, kv_seg, st, padded_keys)
     for g in range(group):
       s, t = _logits(lax.dot_general(q_ref[g], k, _NT, preferred_element_type=jnp.float32), st)
       p = jnp.exp(s - lse_ref[g][:, None])
@@ -420,6 +457,9 @@ def _dq_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di
         ds = ds * (1.0 - t * t)
       acc_ref[g] += lax.dot_general(ds.astype(k.dtype), k, _NN,
                                     preferred_element_type=jnp.float32)
+
+  q_first = q_offset + q_block * bq
+  _run_block(run, _needs_mask(q_first, kv_block * bk, st, padded_keys), _compute)
 
   @pl.when(step == pl.num_programs(3) - 1)
   def _finish():
@@ -446,17 +486,18 @@ def _dkv_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
   lo, hi = _q_range(kv_block, q_offset, st, num_q_blocks)
   q_block, run = _visit(lo, hi, step)
 
-  @pl.when(run)
-  def _compute():
+  def _compute(masked):
     k = k_ref[...]
     v = v_ref[...]
-    k_pos = kv_block * bk + lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
-    q_pos = q_offset + q_block * bq + lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
-    q_seg = kv_seg = None
-    if st.has_segments:
-      q_seg = q_seg_ref[...]
-      kv_seg = kv_seg_ref[0][:, None]
-    mask = _visible(q_pos, k_pos, q_seg, kv_seg, st, padded_keys)
+    mask = None
+    if masked:
+      k_pos = kv_block * bk + lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
+      q_pos = q_first + lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
+      q_seg = kv_seg = None
+      if st.has_segments:
+        q_seg = q_seg_ref[...]
+        kv_seg = kv_seg_ref[0][:, None]
+      mask = _visible(q_pos, k_pos, q_seg, kv_seg, st, padded_keys)
     for g in range(group):
       q = q_ref[g]
       do = do_ref[g]
@@ -472,6 +513,9 @@ def _dkv_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
         ds = ds * (1.0 - t * t)
       dk_acc_ref[...] += lax.dot_general(ds.astype(q.dtype), q, _NN,
                                          preferred_element_type=jnp.float32)
+
+  q_first = q_offset + q_block * bq
+  _run_block(run, _needs_mask(q_first, kv_block * bk, st, padded_keys), _compute)
 
   @pl.when(step == pl.num_programs(3) - 1)
   def _finish():
