@@ -41,8 +41,8 @@ blocks it can see: [lo, hi), computed from q_offset (scalar-prefetched, so it ma
 traced value) inside the index maps. Step t of the kv axis visits block lo + t; steps
 past hi - 1 keep the index of block hi - 1, so Pallas issues no DMA for them, and the
 kernel skips their compute. With a window the kv axis has only as many steps as a
-q block's band can touch (ceil((block_q + w - 1) / block_k) + 1), so the grid itself
-shrinks with the window. The dkv kernel does the same with the roles swapped.
+q block's band can touch (ceil((block_q + w - 1) / block_k) + 1) when the window is
+causal, so the grid itself shrinks with the window. The dkv kernel does the same with the roles swapped.
 Blocks that the causal / window / key-padding mask crosses run a masked copy of the
 body; the interior blocks run it without iotas, compares or selects. Segment ids mask
 inside every block and do not skip any.
@@ -219,8 +219,9 @@ def _q_range(kv_block, q_offset, st: _Static, num_q_blocks):
 
 
 def _num_steps(block_along, block_across, num_blocks, st: _Static):
-  """Grid steps along the reduced axis: all blocks, or a sliding window's band."""
-  if st.sliding_window is None:
+  """Grid steps along the reduced axis: all blocks, or the band of a causal sliding
+  window (without causal, a left window still shows every later key)."""
+  if st.sliding_window is None or not st.causal:
     return num_blocks
   band = pl.cdiv(block_along + st.sliding_window - 1, block_across) + 1
   return min(num_blocks, band)
