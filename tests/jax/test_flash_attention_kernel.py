@@ -1,0 +1,350 @@
+"""Flash attention Pallas kernels in interpret mode against the float64 reference (JAX only).
+
+Every check goes through `reference.attention_mismatches`: out, lse (with -inf exactly on
+fully masked rows) and the gradients of q, k, v and sinks, taken with `jax.vjp` of
+`flash_attention(..., return_lse=True)` so that lse's cotangent is exercised too.
+Interpret mode leaves output the kernel never writes as NaN, and `assert_close` insists
+on finite values, so forgotten rows, skipped blocks that should have run and 0 * inf on
+fully masked rows all fail.
+
+Interpret mode compiles each new (shape, option) combination: shapes come from short
+lists so that examples share compilations, and everything runs under one `jax.jit`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import reference as ref
+from tpu_kernels import flash_attention as FA
+
+NP = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+CHIP = "v6e"
+# Sequence lengths: 1, not multiples of 8 (5, 100, 300) or of 128 (64, 200), one block
+# exactly (128); with block 128 forced, 200 and 300 give several blocks and a tail.
+SEQ = [1, 5, 64, 100, 128, 200, 300]
+HEAD_DIMS = [64, 80, 96, 128, 192, 256]
+# Most examples use small head dims (interpret mode is slow); every one of HEAD_DIMS
+# runs in `test_every_head_dim`.
+PROPERTY_HEAD_DIMS = [64, 64, 64, 80, 128]
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@functools.partial(jax.jit, static_argnames=("static",))
+def _forward_and_grads(q, k, v, sinks, segment_ids, q_offset, grad_out, grad_lse, static):
+  """(out, lse, grads) with q_offset traced; static: a tuple of the other options."""
+  options = dict(static)
+
+  def f(q, k, v, sinks):
+    return FA.flash_attention(q, k, v, sinks=sinks, segment_ids=segment_ids,
+                              q_offset=q_offset, return_lse=True, interpret=True,
+                              chip=CHIP, **options)
+
+  (out, lse), vjp = jax.vjp(f, q, k, v, sinks)
+  dq, dk, dv, dsinks = vjp((grad_out, grad_lse))
+  return out, lse, dict(dq=dq, dk=dk, dv=dv, dsinks=dsinks)
+
+
+def _static(p):
+  keys = ("causal", "sm_scale", "sliding_window", "soft_cap", "block_q", "block_k")
+  return tuple((key, p[key]) for key in keys if p.get(key) is not None)
+
+
+def _segments(rng, batch, length, num_segments, first_id=0):
+  """Runs of ascending segment ids, [batch, length] int32."""
+  out = np.empty((batch, length), np.int32)
+  for b in range(batch):
+    cuts = np.sort(rng.choice(np.arange(1, length), size=min(num_segments - 1, length - 1),
+                              replace=False)) if length > 1 else []
+    out[b] = first_id + np.searchsorted(cuts, np.arange(length), side="right")
+  return out
+
+
+def _inputs(p):
+  """numpy arrays: q, k, v, grad_out in the dtype; grad_lse, sinks f32; segment ids."""
+  rng = np.random.default_rng(p["seed"])
+  dt = NP[p["dtype"]]
+  num_q_heads = p["num_kv_heads"] * p["group"]
+  q = rng.standard_normal((p["batch"], num_q_heads, p["q_len"], p["head_dim"])).astype(dt)
+  k, v = (rng.standard_normal((p["batch"], p["num_kv_heads"], p["kv_len"], p["head_dim"]))
+          .astype(dt) for _ in range(2))
+  grad_out = rng.standard_normal(q.shape).astype(dt)
+  grad_lse = rng.standard_normal(q.shape[:3]).astype(np.float32)
+  sinks = None
+  if p["sinks"] is not None:
+    sinks = (2.0 * rng.standard_normal(num_q_heads)).astype(np.float32)
+    if p["sinks"] == "large":   # a sink that takes (almost) all the mass, one that takes none
+      sinks[::2] = 40.0
+      sinks[1::2] = -40.0
+  segment_ids = None
+  seg = p["segments"]
+  if seg is not None:
+    kv_seg = _segments(rng, p["batch"], p["kv_len"], p["num_segments"])
+    if seg == "shared":
+      segment_ids = kv_seg
+    elif seg == "pair_consistent":   # the chunk's own slice of the packed key sequence
+      pos = np.minimum(p["q_offset"] + np.arange(p["q_len"]), p["kv_len"] - 1)
+      segment_ids = (kv_seg[:, pos], kv_seg)
+    else:                            # unrelated runs; ids past the keys' see nothing
+      segment_ids = (_segments(rng, p["batch"], p["q_len"], p["num_segments"] + 1), kv_seg)
+  return dict(q=q, k=k, v=v, grad_out=grad_out, grad_lse=grad_lse, sinks=sinks,
+              segment_ids=segment_ids)
+
+
+def _options(p, x):
+  """The keyword options of `reference.attention` for problem p."""
+  return dict(causal=p["causal"], sm_scale=p["sm_scale"], sliding_window=p["sliding_window"],
+              soft_cap=p["soft_cap"], segment_ids=x["segment_ids"], sinks=x["sinks"],
+              q_offset=p["q_offset"])
+
+
+def _run(p, x):
+  j = lambda a: None if a is None else jnp.asarray(a)
+  seg = x["segment_ids"]
+  seg = tuple(map(j, seg)) if isinstance(seg, tuple) else j(seg)
+  return _forward_and_grads(j(x["q"]), j(x["k"]), j(x["v"]), j(x["sinks"]), seg,
+                            jnp.int32(p["q_offset"]), j(x["grad_out"]), j(x["grad_lse"]),
+                            static=_static(p))
+
+
+def _masked_rows(p, x):
+  """[B, Hq, Sq] bool: rows with no visible key."""
+  vis = ref.attention_visible(p["batch"], p["q_len"], p["kv_len"], causal=p["causal"],
+                              sliding_window=p["sliding_window"],
+                              segment_ids=x["segment_ids"], q_offset=p["q_offset"])
+  num_q_heads = p["num_kv_heads"] * p["group"]
+  return np.broadcast_to(~vis.any(-1)[:, None], (p["batch"], num_q_heads, p["q_len"]))
+
+
+def _check(p, x, out, lse, grads):
+  """Everything against the reference, plus the exact values on fully masked rows."""
+  num_q_heads = p["num_kv_heads"] * p["group"]
+  assert out.shape == x["q"].shape and out.dtype == x["q"].dtype, (out.shape, out.dtype)
+  assert lse.shape == x["q"].shape[:3] and lse.dtype == jnp.float32, (lse.shape, lse.dtype)
+  for name, like in (("dq", "q"), ("dk", "k"), ("dv", "v")):
+    assert grads[name].shape == x[like].shape and grads[name].dtype == x[like].dtype, name
+  if x["sinks"] is None:
+    assert grads["dsinks"] is None
+  else:
+    assert grads["dsinks"].shape == (num_q_heads,) and grads["dsinks"].dtype == jnp.float32
+  failures = ref.attention_mismatches(p["dtype"], x["q"], x["k"], x["v"], out, lse, grads,
+                                      grad_out=x["grad_out"], grad_lse=x["grad_lse"],
+                                      **_options(p, x))
+  assert not failures, "\n".join([f"problem {p}", *failures.values()])
+  # Fully masked rows: exactly zero output and dq, lse exactly -inf (the sink with sinks).
+  masked = _masked_rows(p, x)
+  out, lse, dq = (np.asarray(a, np.float64) for a in (out, lse, grads["dq"]))
+  assert not out[masked].any() and not dq[masked].any(), "fully masked row not zero"
+  if x["sinks"] is None:
+    assert np.isneginf(lse[masked]).all()
+  else:
+    sink = np.broadcast_to(x["sinks"][None, :, None], masked.shape)
+    assert (lse[masked] == sink[masked]).all(), "fully masked row's lse is not the sink"
+
+
+# ----------------------------------------------------------------------------- properties
+
+
+@st.composite
+def problems(draw, head_dims=PROPERTY_HEAD_DIMS):
+  segments = draw(st.sampled_from([None, None, "shared", "pair_consistent", "pair_random"]))
+  q_len = draw(st.sampled_from(SEQ))
+  kv_len = q_len if segments == "shared" else draw(st.sampled_from(SEQ))
+  # q_offset: 0 (prefill); a chunk inside the keys (q_offset + Sq <= Skv, chunked
+  # prefill); or anywhere up to past the keys, where causal + window rows see no key.
+  where = draw(st.sampled_from(["zero", "inside", "inside", "anywhere"]))
+  if where == "inside" and kv_len >= q_len:
+    q_offset = draw(st.integers(0, kv_len - q_len))
+  elif where == "anywhere":
+    q_offset = draw(st.integers(0, kv_len + 20))
+  else:
+    q_offset = 0
+  return dict(
+      dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+      batch=draw(st.integers(1, 2)), num_kv_heads=draw(st.integers(1, 2)),
+      group=draw(st.integers(1, 4)), q_len=q_len, kv_len=kv_len,
+      head_dim=draw(st.sampled_from(head_dims)),
+      causal=draw(st.booleans()), q_offset=q_offset,
+      sliding_window=draw(st.one_of(st.none(), st.integers(1, kv_len + 10))),
+      soft_cap=draw(st.sampled_from([None, None, 1.0, 5.0, 30.0])),
+      # None: 1/sqrt(D); 1.0 gives very peaked rows (logits ~ +-sqrt(D)).
+      sm_scale=draw(st.sampled_from([None, None, 0.05, 0.3, 1.0])),
+      segments=segments, num_segments=draw(st.integers(1, 4)),
+      sinks=draw(st.sampled_from([None, None, "normal", "large"])),
+      # None: the tiling's choice (one block up to 512); 128 forces several blocks, block
+      # skipping under causal / window, and a partial last block.
+      block_q=draw(st.sampled_from([None, 128])), block_k=draw(st.sampled_from([None, 128])),
+      seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@given(problems())
+def test_matches_reference(p):
+  x = _inputs(p)
+  _check(p, x, *_run(p, x))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_every_head_dim(head_dim, dtype):
+  """Each supported head_dim with every feature on, several blocks and tails."""
+  p = dict(dtype=dtype, batch=1, num_kv_heads=2, group=2, q_len=200, kv_len=300,
+           head_dim=head_dim, causal=True, q_offset=60, sliding_window=150, soft_cap=30.0,
+           sm_scale=None, segments="pair_consistent", num_segments=2, sinks="normal",
+           block_q=128, block_k=128, seed=head_dim)
+  x = _inputs(p)
+  _check(p, x, *_run(p, x))
+
+
+# ----------------------------------------------------------------------------- explicit cases
+
+
+def _problem(**overrides):
+  p = dict(dtype="float32", batch=2, num_kv_heads=2, group=2, q_len=100, kv_len=100,
+           head_dim=64, causal=False, q_offset=0, sliding_window=None, soft_cap=None,
+           sm_scale=None, segments=None, num_segments=1, sinks=None, block_q=None,
+           block_k=None, seed=0)
+  p.update(overrides)
+  return p
+
+
+@pytest.mark.parametrize("sinks", [None, "normal"])
+@pytest.mark.parametrize("how", ["segments", "window_past_keys"])
+def test_fully_masked_rows_are_zero_never_nan(how, sinks):
+  """Rows that see no key: out exactly 0, lse -inf (or the sink), no gradient to q, and
+  keys nobody sees get no gradient; nothing is NaN."""
+  if how == "segments":   # batch 0: query rows 30.. in segment 7, which no key has
+    p = _problem(causal=True, q_len=130, kv_len=200, q_offset=40, sinks=sinks,
+                 block_q=128, block_k=128)
+    x = _inputs(p)
+    q_seg = np.zeros((2, 130), np.int32)
+    q_seg[0, 30:] = 7
+    kv_seg = np.zeros((2, 200), np.int32)
+    kv_seg[1, 150:] = 3       # batch 1: keys 150.. in a segment no query has
+    x["segment_ids"] = (q_seg, kv_seg)
+  else:                   # causal window 3: rows at positions >= 102 see no key
+    p = _problem(causal=True, q_len=100, kv_len=100, q_offset=60, sliding_window=3,
+                 sinks=sinks, block_q=None, block_k=None)
+    x = _inputs(p)
+  masked = _masked_rows(p, x)
+  assert masked.any() and not masked.all()
+  out, lse, grads = _run(p, x)
+  _check(p, x, out, lse, grads)
+  if how == "segments":   # keys 150.. of batch 1 are seen by nobody
+    assert not np.asarray(grads["dk"])[1, :, 150:].any()
+    assert not np.asarray(grads["dv"])[1, :, 150:].any()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_window_of_one_sees_only_itself(dtype):
+  p = _problem(dtype=dtype, causal=True, sliding_window=1, q_len=100, kv_len=300,
+               q_offset=150, block_q=128, block_k=128)
+  x = _inputs(p)
+  out, lse, grads = _run(p, x)
+  _check(p, x, out, lse, grads)
+  # Weight exactly 1 on key q_offset + i: out is that key's value row, bit for bit.
+  kv = np.repeat(x["v"], p["group"], axis=1)[:, :, 150:250]
+  np.testing.assert_array_equal(np.asarray(out), kv)
+
+
+def test_gqa_equals_each_head_with_repeated_kv():
+  p = _problem(num_kv_heads=2, group=4, q_len=200, kv_len=300, q_offset=100, causal=True,
+               sinks="normal", soft_cap=5.0, block_q=128, block_k=128)
+  x = _inputs(p)
+  out, lse, grads = _run(p, x)
+  _check(p, x, out, lse, grads)
+  mha = dict(p, num_kv_heads=8, group=1)
+  xr = dict(x, k=np.repeat(x["k"], 4, axis=1), v=np.repeat(x["v"], 4, axis=1))
+  out_r, lse_r, grads_r = _run(mha, xr)
+  tol = ref.ATTENTION_TOLERANCE["float32"]
+  ref.assert_close(out, out_r, tol, "out")
+  ref.assert_close(lse, lse_r, ref.ATTENTION_LSE_TOLERANCE["float32"], "lse")
+  ref.assert_close(grads["dq"], grads_r["dq"], ref.ATTENTION_GRAD_TOLERANCE["float32"], "dq")
+  ref.assert_close(grads["dsinks"], grads_r["dsinks"], ref.ATTENTION_GRAD_TOLERANCE["float32"],
+                   "dsinks")
+  for name in ("dk", "dv"):   # a KV head's gradient is the sum over its query heads'
+    folded = np.asarray(grads_r[name]).reshape(2, 2, 4, 300, 64).sum(axis=2)
+    ref.assert_close(grads[name], folded, ref.ATTENTION_GRAD_TOLERANCE["float32"], name)
+
+
+def test_static_and_traced_q_offset_agree_and_lse_is_optional():
+  p = _problem(causal=True, q_len=64, kv_len=200, q_offset=100, sliding_window=50,
+               sinks="normal")
+  x = _inputs(p)
+  q, k, v, sinks = (jnp.asarray(x[n]) for n in ("q", "k", "v", "sinks"))
+  common = dict(causal=True, sliding_window=50, sinks=sinks, interpret=True, chip=CHIP)
+  static = FA.flash_attention(q, k, v, q_offset=100, **common)
+  assert isinstance(static, jax.Array)   # return_lse=False: the output alone
+  traced = jax.jit(lambda o: FA.flash_attention(q, k, v, q_offset=o, **common))(jnp.int32(100))
+  np.testing.assert_array_equal(np.asarray(static), np.asarray(traced))
+  want_out, _ = ref.attention(x["q"], x["k"], x["v"], **_options(p, x))
+  ref.assert_close(static, want_out, ref.ATTENTION_TOLERANCE["float32"], "out")
+  # Without lse, the gradients are those of sum(grad_out * out) alone.
+  loss = lambda q, k, v, s: jnp.sum(
+      FA.flash_attention(q, k, v, q_offset=100, **{**common, "sinks": s})
+      * jnp.asarray(x["grad_out"]))
+  dq, dk, dv, ds = jax.grad(loss, (0, 1, 2, 3))(q, k, v, sinks)
+  failures = ref.attention_mismatches(
+      "float32", x["q"], x["k"], x["v"], static, None, dict(dq=dq, dk=dk, dv=dv, dsinks=ds),
+      grad_out=x["grad_out"], grad_lse=None, **_options(p, x))
+  assert not failures, failures
+
+
+def test_empty_sequences():
+  q = jnp.ones((1, 2, 0, 64))
+  k = jnp.ones((1, 1, 5, 64))
+  out, lse = FA.flash_attention(q, k, k, return_lse=True, interpret=True)
+  assert out.shape == (1, 2, 0, 64) and lse.shape == (1, 2, 0)
+  sinks = jnp.array([0.5, -1.0])
+  out, lse = FA.flash_attention(jnp.ones((1, 2, 3, 64)), k[:, :, :0], k[:, :, :0],
+                                sinks=sinks, return_lse=True, interpret=True)
+  assert not np.asarray(out).any()
+  np.testing.assert_array_equal(np.asarray(lse), np.broadcast_to([[[0.5], [-1.0]]], (1, 2, 3)))
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+
+def _bad(q_shape=(1, 4, 8, 64), kv_shape=(1, 2, 8, 64), v_shape=None, dtype=np.float32,
+         k_dtype=None, **options):
+  q = np.zeros(q_shape, dtype)
+  k = np.zeros(kv_shape, k_dtype or dtype)
+  v = np.zeros(v_shape or kv_shape, k_dtype or dtype)
+  return lambda: FA.flash_attention(q, k, v, interpret=True, **options)
+
+
+BAD_INPUTS = {
+    "heads_not_a_multiple": (_bad(q_shape=(1, 3, 8, 64)), "heads"),
+    "k_v_shapes_differ": (_bad(v_shape=(1, 2, 9, 64)), r"\bk\b.*\bv\b"),
+    "head_dim_differs": (_bad(kv_shape=(1, 2, 8, 32)), "head_dim"),
+    "k_dtype_differs": (_bad(k_dtype=ml_dtypes.bfloat16), "dtype"),
+    "float16": (_bad(dtype=np.float16), r"\bq\b.*float32 or bfloat16"),
+    "float64": (_bad(dtype=np.float64), r"\bq\b.*float32 or bfloat16"),
+    "q_rank_3": (_bad(q_shape=(4, 8, 64)), r"\bq\b.*4-D"),
+    "k_rank_5": (_bad(kv_shape=(1, 2, 1, 8, 64)), r"\bk\b.*4-D"),
+    "window_0": (_bad(sliding_window=0), "sliding_window"),
+    "window_negative": (_bad(sliding_window=-1), "sliding_window"),
+    "soft_cap_0": (_bad(soft_cap=0.0), "soft_cap"),
+    "soft_cap_negative": (_bad(soft_cap=-1.0), "soft_cap"),
+    "sinks_per_kv_head": (_bad(sinks=jnp.zeros((2,))), "sinks"),
+    "sinks_2d": (_bad(sinks=jnp.zeros((1, 4))), "sinks"),
+    "segment_ids_length": (_bad(segment_ids=jnp.zeros((1, 9), jnp.int32)), "segment_ids"),
+    "segment_ids_pair_batch": (_bad(segment_ids=(jnp.zeros((1, 8), jnp.int32),
+                                                 jnp.zeros((2, 8), jnp.int32))), "segment_ids"),
+    "segment_ids_single_with_sq_ne_skv": (
+        _bad(kv_shape=(1, 2, 16, 64), segment_ids=jnp.zeros((1, 8), jnp.int32)), "segment_ids"),
+    "q_offset_negative": (_bad(q_offset=-1), "q_offset"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_gives_clear_error(case):
+  call, message = BAD_INPUTS[case]
+  with pytest.raises(ValueError, match=message):
+    call()
