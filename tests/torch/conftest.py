@@ -69,3 +69,17 @@ def ragged_ops(ragged):
   """The custom ops of the loaded ragged-dot-tpu build (for opcheck)."""
   return sys.modules[f"{ragged.__name__}._custom_ops"]
 
+
+
+@pytest.fixture(scope="session")
+def flash(local_kernels_env, repo_id):
+  """The flash-attention-tpu kernel, loaded as a user would: get_kernel(repo, version=1)."""
+  from kernels import get_kernel
+
+  return get_kernel(repo_id("flash-attention-tpu"), version=1)
+
+
+@pytest.fixture(scope="session")
+def flash_ops(flash):
+  """The custom ops of the loaded flash-attention-tpu build (for opcheck)."""
+  return sys.modules[f"{flash.__name__}._custom_ops"]

@@ -1,0 +1,396 @@
+"""flash-attention-tpu: flash attention (forward and backward) as Pallas TPU kernels, for
+PyTorch tensors on TPU (TorchTPU) or CPU.
+
+    flash_attention(q, k, v, *, causal=False, sm_scale=None, sliding_window=None,
+                    soft_cap=None, segment_ids=None, sinks=None, q_offset=0,
+                    return_lse=False) -> out [B, Hq, Sq, D]  (or (out, lse [B, Hq, Sq]))
+    register_attention(name="tpu_attention")   # then attn_implementation="tpu_attention"
+    attention_forward(module, query, key, value, attention_mask, ...)   (Transformers)
+    make_attention_mask(batch_size, q_length, kv_length, ...)            (Transformers)
+
+SDPA layout: q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D], Hq a multiple of Hkv (grouped-
+query / multi-query attention without repeating K and V). For query row i (position
+q_offset + i) and key j:
+
+    s = sm_scale * q[i] . k[j]   (f32), then soft_cap * tanh(s / soft_cap) with soft_cap
+    visible: j <= q_offset + i (causal), q_offset + i - j < sliding_window,
+             q_segment_ids[i] == kv_segment_ids[j]
+    out[i] = softmax over the visible keys (plus exp(sinks[h]) in the denominator) of s, @ v
+
+A row that sees no key gives 0 (lse -inf) and no gradient, never NaN. On "tpu" tensors the
+compiled kernel runs through TorchTPU; on "cpu" tensors the same kernel runs in Pallas
+interpret mode (slow; for development and tests). jax must be installed.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from . import _shim
+from ._custom_ops import flash_attention_op
+from ._shim import validation
+
+__all__ = ["DEFAULT_ATTENTION_NAME", "attention_forward", "flash_attention",
+           "make_attention_mask", "register_attention"]
+
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+DEFAULT_ATTENTION_NAME = "tpu_attention"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+  return str(dtype).removeprefix("torch.")
+
+
+def _check_ndim(op: str, name: str, t: torch.Tensor, ndim: int, what: str) -> None:
+  if t.dim() != ndim:
+    raise ValueError(f"{op}: {name} must be {ndim}-D ({what}), got shape {tuple(t.shape)}")
+
+
+def _check_int32(op: str, name: str, t: torch.Tensor) -> None:
+  if t.dtype != torch.int32:
+    raise TypeError(f"{op}: {name} must be int32, got {_dtype_name(t.dtype)}; convert it "
+                    f"explicitly ({name}.to(torch.int32)): 64-bit integers are never narrowed "
+                    f"silently")
+
+
+def _segment_ids(op: str, segment_ids, batch: int, q_len: int, kv_len: int):
+  """(q_segment_ids [B, Sq], kv_segment_ids [B, Skv]) int32, or (None, None)."""
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError(f"{op}: segment_ids must be one [B, S] tensor or a pair (q_segment_ids "
+                       f"[B, Sq], kv_segment_ids [B, Skv]), got a sequence of "
+                       f"{len(segment_ids)}")
+    q_seg, kv_seg = segment_ids
+    names = ("q_segment_ids", "kv_segment_ids")
+  else:
+    if q_len != kv_len:
+      raise ValueError(f"{op}: a single segment_ids tensor needs Sq == Skv (got Sq {q_len}, "
+                       f"Skv {kv_len}); pass a pair (q_segment_ids [B, Sq], kv_segment_ids "
+                       f"[B, Skv])")
+    q_seg = kv_seg = segment_ids
+    names = ("segment_ids", "segment_ids")
+  for name, t, length in ((names[0], q_seg, q_len), (names[1], kv_seg, kv_len)):
+    validation.check_tensor(op, name, t)
+    _check_int32(op, name, t)
+    validation.check_shape(op, name, t, (batch, length), "[batch, sequence]")
+  return q_seg.contiguous(), kv_seg.contiguous()
+
+
+def _q_offset(op: str, q_offset, device: torch.device) -> torch.Tensor:
+  """q_offset as the (1,) int32 tensor the op takes (the kernel reads it at run time)."""
+  if isinstance(q_offset, torch.Tensor):
+    _check_int32(op, "q_offset", q_offset)
+    if q_offset.numel() != 1 or q_offset.dim() > 1:
+      raise ValueError(f"{op}: a tensor q_offset must hold one int32 (shape () or (1,)), got "
+                       f"shape {tuple(q_offset.shape)}")
+    if device.type == "cpu" and not torch.compiler.is_compiling() and int(q_offset) < 0:
+      raise ValueError(f"{op}: q_offset must be >= 0, got {int(q_offset)}")
+    return q_offset.reshape(1).contiguous()
+  if isinstance(q_offset, bool) or not isinstance(q_offset, (int, torch.SymInt)):
+    raise TypeError(f"{op}: q_offset must be an int or an int32 tensor, got "
+                    f"{type(q_offset).__name__}")
+  if q_offset < 0:
+    raise ValueError(f"{op}: q_offset must be >= 0, got {q_offset}")
+  return torch.tensor([q_offset], dtype=torch.int32, device=device)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                    sm_scale: float | None = None, sliding_window: int | None = None,
+                    soft_cap: float | None = None, segment_ids=None,
+                    sinks: torch.Tensor | None = None, q_offset: int | torch.Tensor = 0,
+                    return_lse: bool = False):
+  """Attention on the flash-attention kernel (see the module docstring for the math).
+
+  Args:
+    q: [B, Hq, Sq, D] float32 / bfloat16 (the SDPA layout).
+    k, v: [B, Hkv, Skv, D] in q's dtype; Hq a multiple of Hkv.
+    causal: key j visible from query i only if j <= q_offset + i.
+    sm_scale: logit scale, default 1 / sqrt(D).
+    sliding_window: None or int >= 1: key j visible only if q_offset + i - j <
+      sliding_window (Transformers' convention: the query's own position and the
+      sliding_window - 1 before it).
+    soft_cap: None or > 0: logits become soft_cap * tanh(logits / soft_cap).
+    segment_ids: None, one int32 [B, S] tensor (Sq == Skv), or a pair (q_segment_ids
+      [B, Sq], kv_segment_ids [B, Skv]): attention only within equal ids.
+    sinks: None or [Hq] (float32 or q's dtype): one learned logit per query head in the
+      softmax denominator (gpt-oss).
+    q_offset: position of query row 0 in the key sequence (chunked prefill), >= 0: an int
+      or an int32 tensor of shape () or (1,) on q's device. Either way the kernel reads
+      it at run time: chunks at different offsets reuse one compiled kernel.
+    return_lse: also return the log-sum-exp lse [B, Hq, Sq] float32.
+  Returns:
+    out [B, Hq, Sq, D] in q's dtype, or (out, lse). Differentiable in q, k, v and sinks
+    (through out and lse).
+  """
+  op = "flash_attention"
+  for name, t in (("q", q), ("k", k), ("v", v)):
+    validation.check_tensor(op, name, t)
+  validation.check_float_dtype(op, "q", q, COMPUTE_DTYPES)
+  validation.check_same_dtype(op, "k", k, "q", q)
+  validation.check_same_dtype(op, "v", v, "q", q)
+  _check_ndim(op, "q", q, 4, "[batch, q_heads, q_len, head_dim]")
+  _check_ndim(op, "k", k, 4, "[batch, kv_heads, kv_len, head_dim]")
+  validation.check_shape(op, "v", v, tuple(k.shape), "the shape of k")
+  batch, num_q_heads, q_len, head_dim = q.shape
+  num_kv_heads, kv_len = k.shape[1], k.shape[2]
+  if min(q.shape) == 0 or min(k.shape) == 0:
+    raise ValueError(f"{op}: q and k must have no empty dimension, got q {tuple(q.shape)}, "
+                     f"k {tuple(k.shape)}")
+  if k.shape[0] != batch or k.shape[3] != head_dim:
+    raise ValueError(f"{op}: k {tuple(k.shape)} must have q's batch ({batch}) and head_dim "
+                     f"({head_dim}); q is {tuple(q.shape)}")
+  if num_q_heads % num_kv_heads:
+    raise ValueError(f"{op}: q's {num_q_heads} heads must be a multiple of k's {num_kv_heads} "
+                     f"heads (grouped-query attention)")
+  if not isinstance(causal, bool):
+    raise TypeError(f"{op}: causal must be a bool, got {type(causal).__name__}")
+  if not isinstance(return_lse, bool):
+    raise TypeError(f"{op}: return_lse must be a bool, got {type(return_lse).__name__}")
+  if sm_scale is None:
+    sm_scale = 1.0 / math.sqrt(head_dim)
+  sm_scale = validation.check_finite_number(op, "sm_scale", sm_scale)
+  window = 0
+  if sliding_window is not None:
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+      raise TypeError(f"{op}: sliding_window must be None or an int, got "
+                      f"{type(sliding_window).__name__}")
+    if sliding_window < 1:
+      raise ValueError(f"{op}: sliding_window must be >= 1 (the query's own position and the "
+                       f"sliding_window - 1 before it), got {sliding_window}")
+    window = sliding_window
+  cap = 0.0
+  if soft_cap is not None:
+    cap = validation.check_finite_number(op, "soft_cap", soft_cap)
+    if cap <= 0:
+      raise ValueError(f"{op}: soft_cap must be None or > 0, got {soft_cap}")
+  q_seg, kv_seg = _segment_ids(op, segment_ids, batch, q_len, kv_len)
+  if sinks is not None:
+    validation.check_tensor(op, "sinks", sinks)
+    validation.check_float_dtype(op, "sinks", sinks, (torch.float32,) if q.dtype == torch.float32
+                                 else (torch.float32, q.dtype))
+    validation.check_shape(op, "sinks", sinks, (num_q_heads,), "one logit per query head")
+    sinks = sinks.contiguous()
+  _shim.device_type_of(op, {
+      "q": q, "k": k, "v": v, "sinks": sinks, "q_segment_ids": q_seg, "kv_segment_ids": kv_seg,
+      "q_offset": q_offset if isinstance(q_offset, torch.Tensor) else None})
+  offset = _q_offset(op, q_offset, q.device)
+  out, lse = flash_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), sinks, q_seg,
+                                kv_seg, offset, causal, sm_scale, window, cap)
+  return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------- Transformers
+#
+# Transformers builds each forward's attention mask through the mask function registered
+# under the attention's name (AttentionMaskInterface), then hands it to every attention
+# call. The kernel takes no arbitrary [B, 1, Sq, Skv] mask, so the mask function
+# (`make_attention_mask`, like Transformers' own flash-attention mask) reduces the
+# model's mask to what the kernel computes itself, and refuses any pattern it cannot
+# reproduce:
+#   * causal or sliding-window causal patterns (or bidirectional ones, for encoders):
+#     the attention call applies them from its own is_causal / sliding_window arguments;
+#   * padding: a bool [B, Skv] mask of the valid keys (None without a 2-D mask); the
+#     attention call turns it into segment ids (keys: 1 valid / 0 padding, queries: 1);
+#   * packed sequences (position_ids restarting inside a row, no 2-D mask): the packed
+#     sequence index, an int32 [B, S] tensor, becomes the segment ids.
+# Anything else (or/and overlays such as image-token masks, chunked attention,
+# bidirectional windows, static caches whose unfilled slots need a mask, a ready-made 4-D
+# mask) raises NotImplementedError instead of computing another attention.
+
+
+def _closure(fn) -> dict:
+  code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+  if code is None or cells is None:
+    return {}
+  return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
+
+
+def _qualname(fn) -> str:
+  return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def _and_parts(fn) -> tuple | None:
+  if _qualname(fn) != "and_masks.<locals>.and_mask":
+    return None
+  return tuple(_closure(fn).get("mask_functions", ()))
+
+
+def _mask_pattern(mask_function):
+  """(pattern, packed_sequence_mask): pattern "causal", "sliding" or "bidirectional"."""
+  from transformers import masking_utils
+
+  packed, fn = None, mask_function
+  parts = _and_parts(fn)
+  if parts is not None and len(parts) == 2 and [_qualname(p) for p in parts] == [
+      "packed_sequence_mask_function.<locals>.inner_mask",
+      "remap_positions_for_packed_sequence.<locals>.inner_mask"]:
+    packed = _closure(parts[0])["packed_sequence_mask"]
+    fn = _closure(parts[1])["mask_function"]
+    parts = _and_parts(fn)
+  if fn is masking_utils.causal_mask_function:
+    return "causal", packed
+  if fn is masking_utils.bidirectional_mask_function:
+    return "bidirectional", packed
+  if parts is not None and len(parts) == 2 and (
+      _qualname(parts[0]) == "sliding_window_overlay.<locals>.inner_mask"
+      and parts[1] is masking_utils.causal_mask_function):
+    return "sliding", packed
+  raise NotImplementedError(
+      f"flash-attention-tpu: the model asks for a mask pattern this kernel cannot compute "
+      f"({_qualname(fn)}): it supports causal and sliding-window causal masks, padding and "
+      f"packed sequences, not or/and overlays (image tokens, blockwise), chunked attention "
+      f"or bidirectional windows. Use attn_implementation='eager' or 'sdpa' for this model")
+
+
+def make_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
+                        kv_offset=0, mask_function=None,
+                        attention_mask: torch.Tensor | None = None, **kwargs):
+  """Transformers mask function (AttentionMaskInterface) for `attention_forward`.
+
+  Returns None (no padding), a bool [B, kv_length] mask of the valid keys, or int32 [B, S]
+  packed-sequence ids; raises NotImplementedError for patterns the kernel cannot compute.
+  """
+  from transformers import masking_utils
+
+  mask_function = masking_utils.causal_mask_function if mask_function is None else mask_function
+  _, packed = _mask_pattern(mask_function)
+  if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor) or (
+      q_offset - kv_offset + q_length != kv_length):
+    raise NotImplementedError(
+        f"flash-attention-tpu: the queries must be the last {q_length} of the {kv_length} "
+        f"keys (no cache, or a DynamicCache); got query offset {q_offset}, key offset "
+        f"{kv_offset}. Static caches (cache_implementation='static') leave unfilled slots "
+        f"that need a mask: use a DynamicCache")
+  if packed is not None:
+    return packed.to(torch.int32)
+  if attention_mask is None:
+    return None
+  if attention_mask.dim() != 2:
+    raise NotImplementedError(f"flash-attention-tpu: expected a 2-D padding mask, got shape "
+                              f"{tuple(attention_mask.shape)}")
+  mask = attention_mask[:, -kv_length:].to(torch.bool)
+  if mask.shape[1] != kv_length:
+    raise NotImplementedError(f"flash-attention-tpu: the 2-D attention mask covers "
+                              f"{mask.shape[1]} keys, the keys are {kv_length}")
+  return mask
+
+
+_UNSUPPORTED_KWARGS = {
+    "position_bias": "a position bias (T5-style additive logits)",
+    "cu_seq_lens_q": "varlen cu_seq_lens (pass position_ids that restart per sequence instead)",
+    "cu_seq_lens_k": "varlen cu_seq_lens (pass position_ids that restart per sequence instead)",
+}
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None,
+                      dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      s_aux: torch.Tensor | None = None, is_causal: bool | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+  """Transformers attention function (AttentionInterface) on the flash-attention kernel.
+
+  query [B, Hq, Sq, D], key / value [B, Hkv, Skv, D] (GQA without repeat_kv);
+  `attention_mask` is what `make_attention_mask` (the mask function above) made: None, a bool
+  [B, Skv] padding mask or int32 [B, S] packed-sequence ids. Queries are the last Sq
+  keys' positions (q_offset = Skv - Sq, as with no cache or a DynamicCache). is_causal
+  (else module.is_causal), sliding_window, softcap (Gemma 2) and s_aux (gpt-oss sinks)
+  go to the kernel. Returns (attn_output [B, Sq, Hq, D], None): no attention weights.
+  """
+  op = "attention_forward"
+  if dropout:
+    raise NotImplementedError(
+        f"{op}: attention dropout ({dropout}) is not implemented by the kernel; set the "
+        f"config's attention_dropout to 0.0 (or train without it)")
+  for name, what in _UNSUPPORTED_KWARGS.items():
+    if kwargs.get(name) is not None:
+      raise NotImplementedError(f"{op}: {what} is not supported by this kernel")
+  cache = kwargs.get("cache")
+  if cache is not None:
+    raise NotImplementedError(f"{op}: paged caches (continuous batching) are not supported by "
+                              f"flash-attention-tpu")
+  if kwargs.get("output_attentions", False):
+    warnings.warn(f"{op}: the kernel returns no attention weights (output_attentions); use "
+                  f"attn_implementation='eager' to get them", stacklevel=2)
+  if is_causal is None:
+    is_causal = bool(getattr(module, "is_causal", True))
+  batch, _, q_len, _ = query.shape
+  kv_len = key.shape[2]
+  q_offset = 0
+  if is_causal:
+    if kv_len < q_len:
+      raise ValueError(f"{op}: causal attention with {q_len} queries and only {kv_len} keys: "
+                       f"the queries must be the last Sq of the keys")
+    q_offset = kv_len - q_len
+  elif sliding_window is not None:
+    raise NotImplementedError(f"{op}: a sliding window without causal masking (bidirectional "
+                              f"window) is not supported by this kernel")
+
+  segment_ids = None
+  if attention_mask is not None:
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+      shape = tuple(getattr(attention_mask, "shape", ()))
+      raise NotImplementedError(
+          f"{op}: got an attention_mask of shape {shape} ({type(attention_mask).__name__}): "
+          f"the kernel takes no arbitrary mask, only what its mask function makes (None, a "
+          f"[B, Skv] padding mask, [B, S] packed-sequence ids). Register the attention with "
+          f"register_attention() (it registers the mask function too) and do not pass a "
+          f"ready-made 4-D mask; use attn_implementation='eager' for custom masks")
+    if attention_mask.dtype == torch.bool:
+      validation.check_shape(op, "attention_mask", attention_mask, (batch, kv_len),
+                             "the valid keys, [batch, kv_len]")
+      kv_seg = attention_mask.to(torch.int32)
+      # Every query in segment 1 sees the valid keys (1), never padding (0). A query that is
+      # itself padding sees only what its causal window holds: nothing, under left padding
+      # (it gives 0), or valid keys (a finite value no one reads).
+      q_seg = kv_seg.new_ones((batch, q_len))
+      segment_ids = (q_seg, kv_seg)
+    elif attention_mask.dtype == torch.int32:
+      if q_len != kv_len:
+        raise NotImplementedError(f"{op}: packed-sequence ids need Sq == Skv, got {q_len} "
+                                  f"queries and {kv_len} keys")
+      validation.check_shape(op, "attention_mask", attention_mask, (batch, kv_len),
+                             "packed-sequence ids, [batch, seq_len]")
+      segment_ids = attention_mask
+    else:
+      raise NotImplementedError(f"{op}: got a {_dtype_name(attention_mask.dtype)} 2-D "
+                                f"attention_mask; expected bool padding or int32 packed ids "
+                                f"from register_attention()'s mask function")
+
+  sinks = s_aux
+  if sinks is not None and sinks.dtype not in (torch.float32, query.dtype):
+    sinks = sinks.float()
+  out = flash_attention(query, key, value, causal=is_causal, sm_scale=scaling,
+                        sliding_window=sliding_window, soft_cap=softcap,
+                        segment_ids=segment_ids, sinks=sinks, q_offset=q_offset)
+  return out.transpose(1, 2).contiguous(), None
+
+
+_RESERVED = ("flash", "sdpa", "flex_attention", "eager", "paged", "|", "/", ":")
+
+
+def register_attention(name: str = DEFAULT_ATTENTION_NAME) -> str:
+  """Registers `attention_forward` and its mask function with Transformers under `name`,
+  so that `attn_implementation=name` runs attention on this kernel. Returns `name`.
+
+  The name may not contain "flash", "sdpa", "flex_attention", "eager", "paged", "|", "/"
+  or ":": Transformers gives such names special treatment (a name with "flash" is taken
+  for a FlashAttention install and imported as one, "/" for a Hub kernel repo).
+  """
+  if not isinstance(name, str) or not name:
+    raise TypeError(f"register_attention: name must be a non-empty str, got {name!r}")
+  clashes = [word for word in _RESERVED if word in name]
+  if clashes:
+    raise ValueError(f"register_attention: name {name!r} contains {clashes[0]!r}, which "
+                     f"Transformers treats specially; choose another name (default "
+                     f"{DEFAULT_ATTENTION_NAME!r})")
+  from transformers import AttentionInterface, AttentionMaskInterface
+
+  AttentionInterface.register(name, attention_forward)
+  AttentionMaskInterface.register(name, make_attention_mask)
+  return name
