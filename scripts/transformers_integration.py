@@ -71,3 +71,75 @@ def kernelize_rms_norm(model, repo_id: str, *, mode=None, device: str = "cpu",
              for layer in layers}
   with use_kernel_mapping(mapping, inherit_mapping=False):
     return kernelize(model, mode=mode, device=device, use_fallback=False)
+
+
+# ------------------------------------------------------------------ flash-attention-tpu
+#
+#   kernel = register_tpu_attention("tpu-kernels/flash-attention-tpu")   # "tpu_attention"
+#   model = tiny_attention_model("gemma2", torch.float32, attn_implementation="tpu_attention")
+#
+# Families: "llama" (GQA), "qwen3" (GQA, q/k norms), "gemma2" (attention logit soft-cap,
+# sliding window on every other layer), "gpt_oss" (sinks, sliding window on every other
+# layer, MoE: two experts, both used by every token). The window (8) is shorter than the test sequences so that it matters, and
+# the weights are drawn with std 0.2 (not Transformers' 0.02), which makes the attention
+# far from uniform: at 0.02 every row of a tiny Llama is within 10% of the mean over its
+# keys, and a wrong mask or soft-cap would hardly show.
+
+ATTENTION_FAMILIES = ("llama", "qwen3", "gemma2", "gpt_oss")
+ATTENTION_WINDOW = 8
+_TINY_ATTENTION = dict(_TINY, initializer_range=0.2)
+
+
+def register_tpu_attention(repo_id: str, name: str | None = None, version: int = 1):
+  """Loads flash-attention-tpu with get_kernel and registers its attention (and mask
+  function) with Transformers under `name` (default the kernel's, "tpu_attention").
+  Returns the kernel module; `attn_implementation=<name>` then runs on it."""
+  from kernels import get_kernel
+
+  kernel = get_kernel(repo_id, version=version)
+  kernel.register_attention(*(() if name is None else (name,)))
+  return kernel
+
+
+def tiny_attention_config(family: str, num_hidden_layers: int = 2):
+  """The config of a tiny causal LM of `family` (ATTENTION_FAMILIES), hidden 64, 4 query
+  heads and 2 KV heads of 16."""
+  import transformers as tr
+
+  common = dict(_TINY_ATTENTION, num_hidden_layers=num_hidden_layers)
+  if family == "llama":
+    return tr.LlamaConfig(**common)
+  if family == "qwen3":
+    return tr.Qwen3Config(**common)
+  if family == "gemma2":
+    # query_pre_attn_scalar = head_dim: scaling 1/4 (the default 256 would shrink every
+    # logit below the cap); cap 2.0: reached by these logits, so the tanh is exercised.
+    return tr.Gemma2Config(**common, sliding_window=ATTENTION_WINDOW,
+                           attn_logit_softcapping=2.0, query_pre_attn_scalar=16)
+  if family == "gpt_oss":
+    # Every token to both experts: no top-k choice for rounding noise to flip.
+    common.update(intermediate_size=32)
+    return tr.GptOssConfig(**common, num_local_experts=2, num_experts_per_tok=2,
+                           sliding_window=ATTENTION_WINDOW)
+  raise ValueError(f"unknown family {family!r}; expected one of {ATTENTION_FAMILIES}")
+
+
+def tiny_attention_model(family: str, dtype: torch.dtype = torch.float32, *,
+                         num_hidden_layers: int = 2, seed: int = 0,
+                         attn_implementation: str = "eager"):
+  """A small randomly initialised causal LM of `family` (see tiny_attention_config), eval
+  mode, CPU. Norm weights are randomised too (Qwen3's q/k norms around 2, which spreads
+  its otherwise unit-scale logits)."""
+  from transformers import AutoModelForCausalLM
+
+  config = tiny_attention_config(family, num_hidden_layers)
+  torch.manual_seed(seed)
+  model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                           attn_implementation=attn_implementation)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith(("q_norm.weight", "k_norm.weight")):
+        p.normal_(2.0, 0.3)
+      elif "norm" in name:
+        p.normal_(0.0 if family == "gemma2" else 1.0, 0.1)
+  return model.eval()
