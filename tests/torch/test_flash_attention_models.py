@@ -277,6 +277,12 @@ def test_mask_function_rejects_other_patterns(registered):
                                        mask_function=window, attention_mask=padding)
   assert torch.equal(got, padding[:, -4:])
   assert registered.make_attention_mask(2, 8, 8, mask_function=mu.causal_mask_function) is None
+  # Cross-attention (bidirectional, 3 queries over 6 encoder keys): no position rule.
+  got = registered.make_attention_mask(2, 3, 6, mask_function=mu.bidirectional_mask_function,
+                                       attention_mask=padding)
+  assert torch.equal(got, padding)
+  with pytest.raises(NotImplementedError, match="last 3 of the 6 keys"):
+    registered.make_attention_mask(2, 3, 6, mask_function=mu.causal_mask_function)
 
 
 @pytest.mark.parametrize("name", ["tpu_flash_attention", "my_sdpa", "org/repo", ""])

@@ -258,9 +258,12 @@ def make_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset
   from transformers import masking_utils
 
   mask_function = masking_utils.causal_mask_function if mask_function is None else mask_function
-  _, packed = _mask_pattern(mask_function)
-  if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor) or (
-      q_offset - kv_offset + q_length != kv_length):
+  pattern, packed = _mask_pattern(mask_function)
+  # Causal patterns need the queries at the end of the keys (the attention call's q_offset
+  # is Skv - Sq); bidirectional ones (encoders, cross-attention) do not look at positions.
+  if pattern != "bidirectional" and (
+      isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor)
+      or q_offset - kv_offset + q_length != kv_length):
     raise NotImplementedError(
         f"flash-attention-tpu: the queries must be the last {q_length} of the {kv_length} "
         f"keys (no cache, or a DynamicCache); got query offset {q_offset}, key offset "
