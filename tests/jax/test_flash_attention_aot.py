@@ -1,0 +1,144 @@
+"""Every default flash-attention configuration compiles ahead of time for v5e and v6e.
+
+The matrix (scripts/flash_attention_cases.py), bf16, B = 1, torch layout [B, H, S, D]:
+
+  * defaults: Hq / Hkv = 32 / 8, causal, S in {2048, 8192, 32768}, head_dim 128, 256
+    and 80;
+  * features at S = 8192, one program each: everything on (D 128, 32 / 8, causal,
+    sliding_window=4096, soft_cap=50.0, sinks, a (q, kv) segment-id pair); gpt-oss-like
+    (D 64, 64 / 8, causal, sliding_window=128, sinks); MQA (16 / 1); the default in f32.
+
+Every program is the backward: jax.grad of 0.5 * sum(out^2) w.r.t. q, k, v (and sinks).
+The loss needs the output, so each program holds the forward kernel, the very
+pallas_call (same tiling) that inference runs, plus the dq and dkv kernels: one compile
+covers forward and backward (`test_backward_program_holds_the_forward_kernel` checks
+that claim; forward-only programs are left to `python scripts/aot_summary.py`).
+Each program is compiled by libtpu (Mosaic, then LLO), which rejects illegal blocks and
+scoped-VMEM overflow. Checked per program: it compiles; it holds exactly the expected
+Mosaic kernels by name (forward, dq, dkv: one each); the scoped-VMEM limit it compiled
+under is the one `attention_tiling` asked for and within the chip's allowance. The
+tiling of every case (block_q, block_k, limit and plan) is written to the test report
+(`record_property`) and printed by `python scripts/aot_summary.py`.
+
+One test per (head_dim or the feature set, chip) checks 3 or 4 programs (2-25 s of
+compile each: head_dim 80, MQA and the feature programs are the slowest, v6e slower
+than v5e). The compiles of all selected tests are queued at once on up to two worker
+processes (libtpu's compile is single-threaded; the test run itself is serial).
+"""
+
+import concurrent.futures
+import multiprocessing
+import os
+import re
+
+import jax
+import pytest
+
+from flash_attention_cases import (AOT_CHIPS, FEATURE_CONFIGS, HEAD_DIMS, SEQ_LENS, Program,
+                                   compile_case, default_config, default_programs,
+                                   feature_programs)
+from tpu_kernels import aot, chips
+
+pytestmark = pytest.mark.aot
+
+
+def _check(program, report, chip):
+  what = f"{program.label} on {chip}"
+  assert report.ok, f"{what}: {report.error}"
+  names = report.kernel_names
+  assert len(names) == report.num_kernels and "?" not in names, report
+  # Exactly the expected kernels, one each ("flash_attention_dq" is no substring of
+  # "flash_attention_dkv", nor the other way round).
+  matched = {want: [n for n in names if want in n] for want in program.kernels}
+  assert len(names) == len(program.kernels) and all(
+      len(found) == 1 for found in matched.values()), (
+      f"{what}: Mosaic kernels {names}, expected one each of {program.kernels}")
+  t = program.tiling(chip)
+  assert report.scoped_vmem_bytes == t.vmem_limit_bytes, (
+      f"{what}: compiled under {report.scoped_vmem_bytes} bytes of scoped VMEM, "
+      f"attention_tiling asked for {t.vmem_limit_bytes}")
+  assert report.scoped_vmem_bytes <= chips.get_chip(chip).max_vmem_limit_bytes, what
+  assert t.vmem_plan_bytes <= t.vmem_limit_bytes, f"{what}: {t}"
+
+
+def _group(item):
+  """(kind, head_dim, chip) of the programs a test item of this module compiles, or None."""
+  params = getattr(getattr(item, "callspec", None), "params", {})
+  if "chip" not in params:
+    return None
+  if "head_dim" in params:
+    return ("default", params["head_dim"], params["chip"])
+  return ("features", None, params["chip"])
+
+
+def _programs(kind, head_dim):
+  return default_programs(head_dim) if kind == "default" else feature_programs()
+
+
+@pytest.fixture(scope="module")
+def compiles(request):
+  """Every compile of the selected tests (after -k / -m), submitted at once to spawned
+  workers, in test order: both workers stay busy across tests instead of idling at the
+  end of each test's 3 or 4 programs. Each worker loads its own libtpu;
+  ALLOW_MULTIPLE_LIBTPU_LOAD=1 is set by conftest and inherited, as are
+  JAX_PLATFORMS=cpu and sys.path. -> {group: [(program, future of its CompileReport)]}"""
+  groups = [g for item in request.session.items
+            if getattr(item, "module", None) is request.module and (g := _group(item))]
+  workers = max(1, min(2, os.cpu_count() or 1))
+  with concurrent.futures.ProcessPoolExecutor(
+      workers, mp_context=multiprocessing.get_context("spawn")) as executor:
+    futures = {g: [(p, executor.submit(compile_case, p, g[2])) for p in _programs(*g[:2])]
+               for g in dict.fromkeys(groups)}
+    yield futures
+    for pending in futures.values():   # a failed test leaves its compiles unread
+      for _, future in pending:
+        future.cancel()
+
+
+def _compile_and_check(compiles, group, record_property):
+  chip = group[2]
+  failures = []
+  assert compiles[group], group
+  for program, future in compiles[group]:
+    report = future.result()
+    record_property(f"{program.label} {chip}", program.plan(chip))
+    try:
+      _check(program, report, chip)
+    except AssertionError as e:   # survey the whole matrix, then fail with every case
+      failures.append(str(e))
+  assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_default_shapes_compile_bf16(compiles, head_dim, chip, record_property):
+  """32 / 8 heads, causal, S in {2048, 8192, 32768}."""
+  group = ("default", head_dim, chip)
+  assert [p.config.seq for p, _ in compiles[group]] == SEQ_LENS
+  _compile_and_check(compiles, group, record_property)
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+def test_feature_programs_compile(compiles, chip, record_property):
+  """All features at once, gpt-oss-like, MQA, f32."""
+  group = ("features", None, chip)
+  assert [p.config.name for p, _ in compiles[group]] == list(FEATURE_CONFIGS)
+  _compile_and_check(compiles, group, record_property)
+
+
+@pytest.mark.parametrize("config", [default_config(8192, 128), FEATURE_CONFIGS["all features"]],
+                         ids=["default", "all features"])
+def test_backward_program_holds_the_forward_kernel(config):
+  """What lets the matrix skip forward-only compiles: the Mosaic kernel of the forward
+  program (its serialized body, grid, blocks and compiler params, i.e. the backend
+  config of the tpu_custom_call) appears verbatim in the backward program, next to two
+  other kernels. Lowering only (no libtpu compile)."""
+  device = aot.topology_device("v6e")
+  configs = []
+  for program in (Program(config, "fwd"), Program(config, "bwd")):
+    fn, specs = program.build("v6e")
+    text = jax.jit(fn).trace(*[aot._on_device(s, device) for s in specs]).lower().as_text()
+    configs.append([re.search(r'backend_config = "([^"]*)"', line).group(1)
+                    for line in text.splitlines() if "@tpu_custom_call" in line])
+  assert len(configs[0]) == 1 and len(configs[1]) == 3, [len(c) for c in configs]
+  assert configs[0][0] in configs[1], f"{config.name}: forward kernel not in the backward"
