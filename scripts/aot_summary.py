@@ -8,6 +8,9 @@ needed; run with JAX_PLATFORMS=cpu). Later kernels add their cases to CASES.
 The script prints CASES, the full table (the grouped matmul at the real shapes of
 Qwen3-30B-A3B, Mixtral-8x7B and gpt-oss-20b, m = 8 .. 65536, forward and backward, and
 quantized weights; 192 compiles for three chips: 19 minutes measured on a busy 2-core
+machine; then flash attention, scripts/flash_attention_cases.py: 32 / 8 heads, causal,
+S = 2048 .. 32768 at head_dim 128, 256, 80, and the feature programs, forward and
+backward; 78 compiles for three chips: 13 minutes more, measured on the same busy
 machine). The main job (scripts/demo.py) calls main() and gets DEMO_CASES, a
 representative slice of it (Qwen3-30B-A3B at m=64, backward programs, which hold the
 forward kernel too).
@@ -28,7 +31,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from tpu_kernels import aot, chips, rms_norm  # noqa: E402
 
-import ragged_dot_cases  # noqa: E402  (scripts/, next to this file)
+import flash_attention_cases  # noqa: E402  (scripts/, next to this file)
+import ragged_dot_cases  # noqa: E402
 
 S = jax.ShapeDtypeStruct
 
@@ -62,6 +66,10 @@ def _ragged_case(program: ragged_dot_cases.Program) -> Case:
   return Case("ragged-dot-tpu", program.label, program.build, program.plan)
 
 
+def _attention_case(program: flash_attention_cases.Program) -> Case:
+  return Case("flash-attention-tpu", program.label, program.build, program.plan)
+
+
 RMS_CASES = [
     _rms_case(8192, 4096, jnp.bfloat16, "fused add+norm fwd+bwd, bf16[8192, 4096] (Llama-8B)"),
     _rms_case(8, 4096, jnp.bfloat16, "fused add+norm fwd+bwd, bf16[8, 4096] (decode)"),
@@ -69,7 +77,9 @@ RMS_CASES = [
     _rms_case(4096, 16384, jnp.float32, "fused add+norm fwd+bwd, f32[4096, 16384] (Llama-405B)"),
 ]
 RAGGED_CASES = [_ragged_case(p) for p in ragged_dot_cases.all_programs()]
-CASES = RMS_CASES + RAGGED_CASES
+ATTENTION_CASES = [_attention_case(p)
+                   for p in flash_attention_cases.all_programs(directions=("fwd", "bwd"))]
+CASES = RMS_CASES + RAGGED_CASES + ATTENTION_CASES
 # The main job's slice: decode (m=64) backward of Qwen3-30B-A3B (each holds the forward kernel).
 DEMO_CASES = RMS_CASES + [
     _ragged_case(p) for p in ragged_dot_cases.model_programs("qwen3-30b-a3b", 64, ("bwd",))]
