@@ -490,8 +490,9 @@ def attention_mismatches(dtype, q, k, v, out, lse=None, grads=None, *, grad_out=
     if lse.shape != want_lse.shape or (np.isneginf(lse) != np.isneginf(want_lse)).any():
       failures["lse"] = "lse: -inf (fully masked rows) in different places"
     else:
-      fin = np.isfinite(want_lse)
-      check("lse", lse[fin], want_lse[fin], ATTENTION_LSE_TOLERANCE[dtype],
+      fin = np.isfinite(want_lse)   # -inf rows agree: compare them as 0 (keeps indices)
+      check("lse", np.where(fin, lse, 0.0), np.where(fin, want_lse, 0.0),
+            ATTENTION_LSE_TOLERANCE[dtype],
             scale=max(float(np.max(np.abs(want_lse[fin]), initial=0.0)), 1.0))
   if grads is not None:
     want = attention_grads(q, k, v, grad_out, grad_lse=grad_lse, **options)

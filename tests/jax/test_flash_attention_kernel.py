@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import event, given, settings, strategies as st
 
 import reference as ref
 from tpu_kernels import flash_attention as FA
@@ -152,11 +152,17 @@ def _check(p, x, out, lse, grads):
 # ----------------------------------------------------------------------------- properties
 
 
+def _examples(fraction):
+  """A share of the loaded hypothesis profile's example count (ci 25, thorough 150)."""
+  return max(1, round(settings.default.max_examples * fraction))
+
+
 @st.composite
-def problems(draw, head_dims=PROPERTY_HEAD_DIMS):
+def problems(draw, head_dims=PROPERTY_HEAD_DIMS, seq=SEQ, blocks=(None, 128), windows=None):
+  mask = draw(st.sampled_from(["causal", "causal_window", "window", "none"]))
   segments = draw(st.sampled_from([None, None, "shared", "pair_consistent", "pair_random"]))
-  q_len = draw(st.sampled_from(SEQ))
-  kv_len = q_len if segments == "shared" else draw(st.sampled_from(SEQ))
+  q_len = draw(st.sampled_from(seq))
+  kv_len = q_len if segments == "shared" else draw(st.sampled_from(seq))
   # q_offset: 0 (prefill); a chunk inside the keys (q_offset + Sq <= Skv, chunked
   # prefill); or anywhere up to past the keys, where causal + window rows see no key.
   where = draw(st.sampled_from(["zero", "inside", "inside", "anywhere"]))
@@ -171,8 +177,9 @@ def problems(draw, head_dims=PROPERTY_HEAD_DIMS):
       batch=draw(st.integers(1, 2)), num_kv_heads=draw(st.integers(1, 2)),
       group=draw(st.integers(1, 4)), q_len=q_len, kv_len=kv_len,
       head_dim=draw(st.sampled_from(head_dims)),
-      causal=draw(st.booleans()), q_offset=q_offset,
-      sliding_window=draw(st.one_of(st.none(), st.integers(1, kv_len + 10))),
+      causal=mask in ("causal", "causal_window"), q_offset=q_offset,
+      sliding_window=(draw(windows or st.integers(1, kv_len + 10))
+                      if mask in ("window", "causal_window") else None),
       soft_cap=draw(st.sampled_from([None, None, 1.0, 5.0, 30.0])),
       # None: 1/sqrt(D); 1.0 gives very peaked rows (logits ~ +-sqrt(D)).
       sm_scale=draw(st.sampled_from([None, None, 0.05, 0.3, 1.0])),
@@ -180,18 +187,63 @@ def problems(draw, head_dims=PROPERTY_HEAD_DIMS):
       sinks=draw(st.sampled_from([None, None, "normal", "large"])),
       # None: the tiling's choice (one block up to 512); 128 forces several blocks, block
       # skipping under causal / window, and a partial last block.
-      block_q=draw(st.sampled_from([None, 128])), block_k=draw(st.sampled_from([None, 128])),
+      block_q=draw(st.sampled_from(blocks)), block_k=draw(st.sampled_from(blocks)),
       seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def _events(p, x):
+  """Coverage, shown by pytest --hypothesis-show-statistics."""
+  blocks = lambda n, b: -(-n // b) if b and b < n else 1
+  event(f"q blocks {blocks(p['q_len'], p['block_q'])}, kv blocks "
+        f"{blocks(p['kv_len'], p['block_k'])}")
+  event(f"causal={p['causal']} window={'none' if p['sliding_window'] is None else 'set'}")
+  if _masked_rows(p, x).any():
+    event("some rows see no key")
 
 
 @given(problems())
 def test_matches_reference(p):
   x = _inputs(p)
+  _events(p, x)
   _check(p, x, *_run(p, x))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@st.composite
+def blocked_problems(draw):
+  """Longer sequences cut into 128 / 256 blocks (up to 5 per axis), windows often at a
+  block's edges or narrower than a block; the other options are the main test's."""
+  edges = st.sampled_from([1, 2, 127, 128, 129, 255, 256, 257])
+  p = draw(problems(head_dims=[64], seq=[100, 300, 520, 520], blocks=(128, 256),
+                    windows=st.one_of(edges, st.integers(1, 530))))
+  p["batch"], p["num_kv_heads"] = 1, 1
+  return p
+
+
+@settings(max_examples=_examples(0.6))
+@given(blocked_problems())
+def test_block_skipping_matches_reference(p):
+  """The kv range of each q block (forward, dq), the q range of each kv block (dkv),
+  the steps past them, and the band of a causal window."""
+  x = _inputs(p)
+  _events(p, x)
+  _check(p, x, *_run(p, x))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [1, 129])
+def test_windows_across_many_blocks(causal, window):
+  """A window narrower than the blocks with 5 kv blocks (a left window without causal
+  still shows every later key, so its q blocks visit all of them), and the chunk
+  offset not a block multiple."""
+  p = _problem(causal=causal, sliding_window=window, q_len=300, kv_len=520, q_offset=150,
+               batch=1, num_kv_heads=1, group=2, block_q=128, block_k=128, sinks="normal")
+  x = _inputs(p)
+  _check(p, x, *_run(p, x))
+
+
+@pytest.mark.parametrize("head_dim, dtype", [
+    (d, ["float32", "bfloat16"][i % 2]) for i, d in enumerate(HEAD_DIMS)] + [
+    (d, ["bfloat16", "float32"][i % 2]) for i, d in enumerate(HEAD_DIMS) if d in (128, 256)])
 def test_every_head_dim(head_dim, dtype):
   """Each supported head_dim with every feature on, several blocks and tails."""
   p = dict(dtype=dtype, batch=1, num_kv_heads=2, group=2, q_len=200, kv_len=300,
@@ -293,6 +345,20 @@ def test_static_and_traced_q_offset_agree_and_lse_is_optional():
   failures = ref.attention_mismatches(
       "float32", x["q"], x["k"], x["v"], static, None, dict(dq=dq, dk=dk, dv=dv, dsinks=ds),
       grad_out=x["grad_out"], grad_lse=None, **_options(p, x))
+  assert not failures, failures
+
+
+def test_bfloat16_sinks():
+  """sinks may also come in q's dtype; d_sinks comes back in it."""
+  p = _problem(dtype="bfloat16", causal=True, q_len=64, kv_len=130, q_offset=30,
+               sinks="normal", sliding_window=40)
+  x = _inputs(p)
+  x["sinks"] = x["sinks"].astype(ml_dtypes.bfloat16)
+  out, lse, grads = _run(p, x)
+  assert grads["dsinks"].dtype == jnp.bfloat16
+  failures = ref.attention_mismatches("bfloat16", x["q"], x["k"], x["v"], out, lse, grads,
+                                      grad_out=x["grad_out"], grad_lse=x["grad_lse"],
+                                      **_options(p, x))
   assert not failures, failures
 
 
