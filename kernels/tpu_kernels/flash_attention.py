@@ -118,7 +118,7 @@ def _seq_block_candidates(length: int, sublanes: int, fixed: int | None) -> list
 def _plan_bytes(block_q, block_k, head_dim, group, itemsize):
   """VMEM of the hungriest kernel (dkv): double-buffered q, dout (G rows each), k, v,
   dk, dv blocks, lse / di rows, the f32 accumulators and the f32 (block_k, block_q)
-  temporaries of one head (s, p, dp, ds)."""
+  temporaries of one head (s, p, dp, ds); segment-id rows when present (8 sublanes each)."""
   d = vmem.lane_padded(head_dim)
   q_rows = group * block_q
   total = 2 * 2 * q_rows * d * itemsize             # q, dout
@@ -127,6 +127,7 @@ def _plan_bytes(block_q, block_k, head_dim, group, itemsize):
   total += 2 * 2 * vmem.round_up(group, 8) * vmem.lane_padded(block_q) * 4   # lse, di
   total += 2 * block_k * d * 4                      # dk, dv accumulators
   total += 4 * block_k * vmem.lane_padded(block_q) * 4
+  total += 2 * 8 * (vmem.lane_padded(block_q) + vmem.lane_padded(block_k)) * 4   # segment ids
   # The forward and dq kernels also hold f32 accumulators for all G heads' rows, and m, l.
   fwd = 2 * 2 * q_rows * d * itemsize + 2 * 2 * block_k * d * itemsize
   fwd += q_rows * d * 4 + 2 * q_rows * 128 * 4 + 3 * block_q * vmem.lane_padded(block_k) * 4
@@ -137,8 +138,9 @@ def attention_tiling(q_len: int, kv_len: int, head_dim: int, *, group: int, dtyp
                      chip: str = chips.DEFAULT_CHIP, block_q: int | None = None,
                      block_k: int | None = None,
                      vmem_limit_bytes: int | None = None) -> Tiling:
-  """block_q / block_k for all three kernels from the chip's VMEM budget: the largest
-  block_k, then the largest block_q, whose plan fits (fewer grid steps, longer matmuls)."""
+  """block_q / block_k for all three kernels from the chip's VMEM budget. Among the
+  pairs whose plan fits: the largest smaller side (balanced blocks: fewer grid steps and
+  longer matmuls in both kernels' directions), then the larger block_k, then block_q."""
   chip_ = chips.get_chip(chip)
   itemsize = np.dtype(dtype).itemsize
   sub = vmem.sublane_multiple(dtype)
