@@ -618,7 +618,7 @@ def _attention_bwd(st, saved, cotangents):
   if st.has_sinks:
     group = q5.shape[2]
     per_head = sinks.reshape(1, -1, group, 1)
-    p_sink = jnp.exp(per_head - lse)             # 0 where lse is +inf-safe; lse >= sink
+    p_sink = jnp.exp(per_head - lse)   # the sink's probability: lse >= sink, so in (0, 1]
     d_sinks = -jnp.sum(p_sink * di, axis=(0, 3)).reshape(-1).astype(sinks.dtype)
   return dq, dk, dv, d_sinks, None, None, None
 
