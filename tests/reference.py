@@ -502,3 +502,172 @@ def attention_mismatches(dtype, q, k, v, out, lse=None, grads=None, *, grad_out=
         check(name, grads[name], want[name], ATTENTION_GRAD_TOLERANCE[dtype],
               scale=scales[name])
   return failures
+
+
+# ----------------------------------------------------------------------------- paged attention
+#
+# Ragged paged attention (the definition in the kernel's API contract). Sequence s owns
+# the query tokens q[cu_q_lens[s]:cu_q_lens[s+1]] (q_len[s] of them) and kv_lens[s] KV
+# tokens; its queries are the LAST q_len[s] of those, so query i of s is at position
+#   p = kv_lens[s] - q_len[s] + i.
+# KV token j of s lives at k_pages[h, page_indices[s, j // page_size], j % page_size] (the
+# same for v); only the first ceil(kv_lens[s] / page_size) entries of a page-table row are
+# used, and cache slots past kv_lens[s] are never read. For query head h (KV head h // G,
+# G = Hq / Hkv):
+#   visible(p, j) = j <= p and (window is None or p - j < window)
+#   t[j] = cap(sm_scale * q . k_real[j]),  k_real = k (float cache) or k * k_scale[h_kv]
+#   out = sum_{visible j} exp(t[j] - lse) v_real[j],
+#   lse = log(exp(sinks[h]) + sum_{visible j} exp(t[j]))      (no sink term without sinks)
+# Query tokens at or past cu_q_lens[-1] (padding) give 0. Every query sees at least its own
+# position, so no row is empty.
+#
+# Tolerances, keyed by q's dtype, as |kernel - reference| <= atol * max|reference| +
+# rtol * |reference| (`assert_close`). The kernel's math per query row is flash
+# attention's (f32 logits and online-softmax statistics, P rounded to q's dtype before the
+# PV matmul, out rounded to q's dtype), so the error analysis of ATTENTION_TOLERANCE applies
+# unchanged: the paging only decides which keys a row sees, and a wrong key or page moves a
+# row by ~P * |v|, far outside these bounds. A quantized cache (int8 / float8_e4m3fn) is
+# compared against this reference on the DEQUANTIZED cache (int8 / e4m3 values, exact in
+# float64, times the scale in float64), so quantization error is no part of the
+# comparison and q's dtype sets the tolerance:
+# float32 q: the kernel dequantizes into f32 (one 2^-24 rounding of each K/V element, far
+#   below the f32 bound's ~1e-6 budget per logit);
+# bfloat16 q: the kernel dequantizes into bf16, one rounding (<= 2^-9 relative) of each
+#   K/V element unless the scale is a power of two. That rounding has the size of the P
+#   roundings the bf16 bound already budgets (it moves out by <= 2^-9 * sum_j P |v| and
+#   each logit by a few 2^-9 of the logit's own terms, errors that mostly cancel);
+#   `test_reference.py` checks a NumPy model of those roundings lands well within the bound.
+PAGED_TOLERANCE = {
+    "float32": dict(ATTENTION_TOLERANCE["float32"]),
+    "bfloat16": dict(ATTENTION_TOLERANCE["bfloat16"]),
+}
+
+QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn")
+FP8_E4M3_MAX = 448.0
+INT8_MAX = 127
+
+
+def _kv_dtype_name(pages) -> str:
+  return np.dtype(np.asarray(pages).dtype).name
+
+
+def _per_kv_head(scale, num_kv_heads) -> np.ndarray:
+  """A python float, 0-d or [Hkv] scale as a float64 [Hkv] array."""
+  scale = f64(scale)
+  if scale.ndim == 0:
+    return np.full(num_kv_heads, float(scale))
+  assert scale.shape == (num_kv_heads,), scale.shape
+  return scale
+
+
+def dequantize_tokens(tokens, scale) -> np.ndarray:
+  """tokens [Hkv, n, D] of the cache's dtype -> float64, times the per-KV-head scale
+  for int8 / float8_e4m3fn caches (exact: every int8 / e4m3 value is a float64)."""
+  name = _kv_dtype_name(tokens)
+  values = np.asarray(tokens).astype(np.float64)
+  if name in QUANTIZED_KV_DTYPES:
+    assert scale is not None, f"a {name} cache needs a scale"
+    return values * _per_kv_head(scale, values.shape[0])[:, None, None]
+  assert scale is None, f"scale given with a {name} cache"
+  return values
+
+
+def gather_kv(pages, page_row, kv_len, page_size) -> np.ndarray:
+  """The first kv_len tokens of one sequence, [Hkv, kv_len, D] of the cache's dtype,
+  read token by token from the pages its page-table row names (unused entries of the
+  row are never looked at)."""
+  pages = np.asarray(pages)
+  num_pages = pages.shape[1]
+  out = np.empty((pages.shape[0], kv_len, pages.shape[3]), pages.dtype)
+  for j in range(kv_len):
+    page = int(page_row[j // page_size])
+    assert 0 <= page < num_pages, f"used page id {page} out of range"
+    out[:, j] = pages[:, page, j % page_size]
+  return out
+
+
+def paged_visible(q_len, kv_len, sliding_window=None) -> np.ndarray:
+  """visible(p, j) for the q_len queries of one sequence, bool [q_len, kv_len]."""
+  pos = kv_len - q_len + np.arange(q_len)[:, None]
+  key = np.arange(kv_len)[None, :]
+  vis = key <= pos
+  if sliding_window is not None:
+    vis &= pos - key < sliding_window
+  return vis
+
+
+def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, sm_scale=None,
+                    soft_cap=None, sliding_window=None, sinks=None, k_scale=None,
+                    v_scale=None) -> np.ndarray:
+  """out [T, Hq, D] float64 from the definition above, one sequence at a time."""
+  q = f64(q)
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_kv_heads, _, page_size, _ = np.asarray(k_pages).shape
+  assert num_q_heads % num_kv_heads == 0
+  group = num_q_heads // num_kv_heads
+  kv_lens = np.asarray(kv_lens, np.int64)
+  cu = np.asarray(cu_q_lens, np.int64)
+  page_indices = np.asarray(page_indices, np.int64)
+  scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+  sink = None if sinks is None else f64(sinks)
+  out = np.zeros((num_tokens, num_q_heads, head_dim))
+  for s in range(len(kv_lens)):
+    start, end = int(cu[s]), int(cu[s + 1])
+    q_len, kv_len = end - start, int(kv_lens[s])
+    assert 0 <= q_len <= kv_len and end <= num_tokens, (s, q_len, kv_len)
+    if q_len == 0:
+      continue
+    k = dequantize_tokens(gather_kv(k_pages, page_indices[s], kv_len, page_size), k_scale)
+    v = dequantize_tokens(gather_kv(v_pages, page_indices[s], kv_len, page_size), v_scale)
+    vis = paged_visible(q_len, kv_len, sliding_window)
+    for h in range(num_q_heads):
+      kv_head = h // group
+      t = scale * (q[start:end, h] @ k[kv_head].T)                  # [q_len, kv_len]
+      if soft_cap is not None:
+        t = soft_cap * np.tanh(t / soft_cap)
+      t = np.where(vis, t, -np.inf)
+      m = t.max(axis=-1)                  # finite: a query always sees its own position
+      if sink is not None:
+        m = np.maximum(m, sink[h])
+      e = np.exp(t - m[:, None])
+      denom = e.sum(-1) + (0.0 if sink is None else np.exp(sink[h] - m))
+      out[start:end, h] = (e / denom[:, None]) @ v[kv_head]
+  return out
+
+
+def quantize_kv(x, scale, dtype_name) -> np.ndarray:
+  """[..., Hkv, D] new tokens -> the cache's int8 / float8_e4m3fn values:
+  int8: clip(round(x / scale), -127, 127) (round half to even); fp8: clip(x / scale,
+  -448, 448) cast to e4m3fn (round to nearest even). x / scale is an f32 division (x in
+  f32 or bf16, the scale as f32), as the contract's kernel computes it."""
+  x = np.asarray(x).astype(np.float32)
+  scale = _per_kv_head(scale, x.shape[-2]).astype(np.float32)[:, None]
+  y = x / scale
+  if dtype_name == "int8":
+    return np.clip(np.round(y), -INT8_MAX, INT8_MAX).astype(np.int8)
+  if dtype_name == "float8_e4m3fn":
+    return np.clip(y, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+  raise ValueError(dtype_name)
+
+
+def write_kv_cache(k_pages, v_pages, new_k, new_v, slot_mapping, *, k_scale=None,
+                   v_scale=None):
+  """(k_pages, v_pages) after writing token t's K/V [Hkv, D] to slot slot_mapping[t]
+  (page slot // page_size, offset slot % page_size) of every head; tokens with a negative
+  slot are skipped. New NumPy arrays in the cache's dtype; the inputs are not changed."""
+  k_pages, v_pages = np.array(k_pages), np.array(v_pages)
+  page_size = k_pages.shape[2]
+  name = _kv_dtype_name(k_pages)
+  for pages, new, scale in ((k_pages, new_k, k_scale), (v_pages, new_v, v_scale)):
+    new = np.asarray(new)
+    if name in QUANTIZED_KV_DTYPES:
+      values = quantize_kv(new, scale, name)
+    else:
+      assert scale is None and new.dtype == pages.dtype, (new.dtype, pages.dtype)
+      values = new
+    for t, slot in enumerate(np.asarray(slot_mapping, np.int64)):
+      if slot < 0:
+        continue
+      assert slot < pages.shape[1] * page_size, f"slot {slot} out of range"
+      pages[:, slot // page_size, slot % page_size] = values[t]
+  return k_pages, v_pages

@@ -346,3 +346,237 @@ def test_attention_tolerances_reject_masking_mistakes(dtype, mistake, expected):
   out, lse, grads = _flash_model(q, k, v, g, gl, dtype == "bfloat16", wrong,
                                  cap_grad=mistake != "no_cap_derivative")
   assert expected in _failures(dtype, opts, q, k, v, g, gl, out, lse, grads)
+
+
+# ----------------------------------------------------------------------------- paged attention
+
+
+def _paged_problem(seed, kv_lens, q_lens, *, num_kv_heads=2, group=2, head_dim=8,
+                   page_size=4, pages_per_seq=None, shuffle=True, extra_pages=3, pad=2):
+  """A packed batch with each sequence's K/V ([Hkv, kv_len, D] float64) scattered over
+  the pages of a cache (page order shuffled or one contiguous run per sequence); unused
+  page-table entries hold -1 / out-of-range junk and unused cache slots hold NaN."""
+  rng = np.random.default_rng(seed)   # the data: the same whatever the layout
+  kv_lens, q_lens = np.asarray(kv_lens), np.asarray(q_lens)
+  seq_k = [rng.standard_normal((num_kv_heads, n, head_dim)) for n in kv_lens]
+  seq_v = [rng.standard_normal((num_kv_heads, n, head_dim)) for n in kv_lens]
+  cu = np.concatenate([[0], np.cumsum(q_lens)])
+  q = rng.standard_normal((int(cu[-1]) + pad, num_kv_heads * group, head_dim))
+  rng = np.random.default_rng([seed, page_size, shuffle])   # the layout
+  need = [-(-int(n) // page_size) for n in kv_lens]
+  pages_per_seq = pages_per_seq or max(max(need), 1) + 1
+  num_pages = sum(need) + extra_pages
+  ids = rng.permutation(num_pages) if shuffle else np.arange(num_pages)
+  k_pages = np.full((num_kv_heads, num_pages, page_size, head_dim), np.nan)
+  v_pages = np.full_like(k_pages, np.nan)
+  table = rng.choice([-1, num_pages, 10**6], size=(len(kv_lens), pages_per_seq))
+  used = 0
+  for s, n in enumerate(kv_lens):
+    for j in range(n):
+      if j % page_size == 0:
+        table[s, j // page_size] = ids[used]
+        used += 1
+      k_pages[:, table[s, j // page_size], j % page_size] = seq_k[s][:, j]
+      v_pages[:, table[s, j // page_size], j % page_size] = seq_v[s][:, j]
+  return dict(q=q, k_pages=k_pages, v_pages=v_pages, kv_lens=kv_lens, page_indices=table,
+              cu_q_lens=cu), seq_k, seq_v
+
+
+PAGED_OPTIONS = {
+    "plain": {},
+    "window": dict(sliding_window=3),
+    "window_1": dict(sliding_window=1),
+    "cap_scale": dict(soft_cap=2.0, sm_scale=0.9),
+    "sinks": dict(sinks=np.array([0.5, -1.0, 3.0, 0.0])),
+    "everything": dict(sinks=np.array([1.5, -2.0, 0.0, 4.0]), sliding_window=6,
+                       soft_cap=5.0, sm_scale=0.4),
+}
+# Decode, empty, prefill-only, chunked prefill, a decode at position 0, an empty padding
+# sequence with no KV at all.
+PAGED_KV_LENS, PAGED_Q_LENS = [9, 5, 7, 13, 1, 0], [1, 0, 7, 4, 1, 0]
+
+
+@pytest.mark.parametrize("case", PAGED_OPTIONS)
+def test_paged_attention_is_causal_attention_per_sequence(case):
+  """Each sequence's rows equal `attention` (causal, q_offset = kv_len - q_len) on its own
+  contiguous K/V; padding rows past cu_q_lens[-1] are exactly 0; NaN in unused slots and
+  junk page ids past the used ones change nothing."""
+  opts = PAGED_OPTIONS[case]
+  x, seq_k, seq_v = _paged_problem(len(case), PAGED_KV_LENS, PAGED_Q_LENS)
+  out = ref.paged_attention(**x, **opts)
+  assert out.shape == x["q"].shape and np.isfinite(out).all()
+  cu = x["cu_q_lens"]
+  for s, (kv_len, q_len) in enumerate(zip(PAGED_KV_LENS, PAGED_Q_LENS)):
+    if q_len == 0:
+      continue
+    q = x["q"][cu[s]:cu[s + 1]].transpose(1, 0, 2)[None]
+    want, _ = ref.attention(q, seq_k[s][None], seq_v[s][None], causal=True,
+                            q_offset=kv_len - q_len, **opts)
+    np.testing.assert_allclose(out[cu[s]:cu[s + 1]], want[0].transpose(1, 0, 2),
+                               rtol=1e-12, atol=1e-12)
+  assert not out[cu[-1]:].any()
+
+
+@pytest.mark.parametrize("case", PAGED_OPTIONS)
+def test_paged_attention_pages_order_and_layout_do_not_matter(case):
+  """The same sequences laid out in shuffled pages, in contiguous runs, and with a page
+  size that does not divide their lengths give the same output."""
+  opts = PAGED_OPTIONS[case]
+  outs = []
+  for shuffle, page_size in ((True, 4), (False, 4), (True, 3), (False, 16)):
+    x, _, _ = _paged_problem(7, PAGED_KV_LENS, PAGED_Q_LENS, page_size=page_size,
+                             shuffle=shuffle)
+    outs.append(ref.paged_attention(**x, **opts))
+  for other in outs[1:]:
+    np.testing.assert_allclose(other, outs[0], rtol=1e-12, atol=1e-12)
+
+
+def test_paged_attention_decode_is_last_row_of_prefill():
+  """A decode step (q_len 1) equals the last row of a full causal prefill of the same KV,
+  and a chunked prefill equals the matching rows of the full prefill."""
+  kv_len = 11
+  x, _, _ = _paged_problem(3, [kv_len], [kv_len], pad=0)
+  for opts in PAGED_OPTIONS.values():
+    full = ref.paged_attention(**x, **opts)
+    for q_len in (1, 4):
+      chunk = dict(x, q=x["q"][kv_len - q_len:], cu_q_lens=np.array([0, q_len]))
+      np.testing.assert_allclose(ref.paged_attention(**chunk, **opts), full[kv_len - q_len:],
+                                 rtol=1e-12, atol=1e-12)
+
+
+def test_paged_attention_shared_pages():
+  """Two sequences whose page tables share their prefix pages (prefix caching): the
+  second's decode sees the shared prefix, then its own last page."""
+  x, _, _ = _paged_problem(5, [10], [10], page_size=4, pad=0)   # pages of 4, 4, 2 tokens
+  table = x["page_indices"]
+  # Sequence 1: the same first 8 tokens (pages table[0, :2]), then 1 token on a new page.
+  spare = next(p for p in range(x["k_pages"].shape[1]) if p not in table[0, :3])
+  k_pages, v_pages = x["k_pages"].copy(), x["v_pages"].copy()
+  rng = np.random.default_rng(0)
+  k_pages[:, spare, 0], v_pages[:, spare, 0] = rng.standard_normal((2, 2, 8))
+  two = dict(x, k_pages=k_pages, v_pages=v_pages, kv_lens=np.array([10, 9]),
+             page_indices=np.stack([table[0], [table[0, 0], table[0, 1], spare, -1]]),
+             q=np.concatenate([x["q"], x["q"][:1]]), cu_q_lens=np.array([0, 10, 11]))
+  out = ref.paged_attention(**two)
+  np.testing.assert_allclose(out[:10], ref.paged_attention(**x), rtol=1e-12, atol=1e-12)
+  ks = np.concatenate([x["k_pages"][:, table[0, :2]].reshape(2, 8, 8), k_pages[:, spare, :1]], 1)
+  vs = np.concatenate([x["v_pages"][:, table[0, :2]].reshape(2, 8, 8), v_pages[:, spare, :1]], 1)
+  want, _ = ref.attention(x["q"][:1].transpose(1, 0, 2)[None], ks[None], vs[None])
+  np.testing.assert_allclose(out[10], want[0, :, 0], rtol=1e-12, atol=1e-12)
+
+
+def test_paged_attention_by_hand():
+  """One sequence, page size 2, two KV tokens with logits 0 and log 3 (sm_scale 1):
+  weights 1/4, 3/4; a sink of logit log 4 halves them; window 1 keeps the last key."""
+  q = np.array([[[1.0]], [[9.0]]])                          # token 1 is padding
+  k_pages = np.array([[[[np.nan], [np.nan]], [[0.0], [np.log(3.0)]]]])   # page 1 used
+  v_pages = np.array([[[[np.nan], [np.nan]], [[2.0], [6.0]]]])
+  args = (q, k_pages, v_pages, [2], [[1, -1]], [0, 1])
+  np.testing.assert_allclose(ref.paged_attention(*args, sm_scale=1.0), [[[6.5 - 1.5]], [[0]]])
+  np.testing.assert_allclose(ref.paged_attention(*args, sm_scale=1.0,
+                                                 sinks=np.array([np.log(4.0)])),
+                             [[[2 / 8 + 18 / 8]], [[0.0]]])
+  np.testing.assert_allclose(ref.paged_attention(*args, sm_scale=1.0, sliding_window=1),
+                             [[[6.0]], [[0.0]]])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_paged_attention_dequantizes_exactly(dtype, per_head):
+  """A quantized cache gives what the float64 cache of its dequantized values gives,
+  with scale h_kv applied to KV head h_kv."""
+  import ml_dtypes
+  x, _, _ = _paged_problem(11, PAGED_KV_LENS, PAGED_Q_LENS)
+  rng = np.random.default_rng(1)
+  k_scale = np.array([0.03, 0.2]) if per_head else 0.05
+  v_scale = np.array([0.5, 0.011]) if per_head else 0.3
+  if dtype == "int8":
+    kq, vq = (rng.integers(-127, 128, x["k_pages"].shape).astype(np.int8) for _ in range(2))
+  else:
+    kq, vq = (rng.uniform(-448, 448, x["k_pages"].shape).astype(ml_dtypes.float8_e4m3fn)
+              for _ in range(2))
+    kq[np.isnan(x["k_pages"])] = np.nan           # e4m3fn has a NaN: unused slots hold it
+  out = ref.paged_attention(**dict(x, k_pages=kq, v_pages=vq), k_scale=k_scale,
+                            v_scale=v_scale)
+  head_scale = lambda s: np.broadcast_to(np.asarray(s, float), (2,))[:, None, None, None]
+  want = ref.paged_attention(**dict(x, k_pages=kq.astype(np.float64) * head_scale(k_scale),
+                                    v_pages=vq.astype(np.float64) * head_scale(v_scale)))
+  np.testing.assert_array_equal(out, want)
+  assert np.isfinite(out).all() and not out[x["cu_q_lens"][-1]:].any()
+
+
+def test_write_kv_cache_reference():
+  """Per token and head: the slot's page and offset; negative slots skipped; int8 rounds
+  half to even and clips at +-127; fp8 clips at +-448; other slots untouched."""
+  import ml_dtypes
+  k = np.zeros((2, 3, 4, 2), np.float32)
+  v = np.ones_like(k)
+  new_k = np.arange(3 * 2 * 2, dtype=np.float32).reshape(3, 2, 2) + 100
+  new_v = -new_k
+  out_k, out_v = ref.write_kv_cache(k, v, new_k, new_v, np.array([5, -1, 11]))
+  want_k, want_v = k.copy(), v.copy()
+  want_k[:, 1, 1], want_v[:, 1, 1] = new_k[0], new_v[0]
+  want_k[:, 2, 3], want_v[:, 2, 3] = new_k[2], new_v[2]
+  np.testing.assert_array_equal(out_k, want_k)
+  np.testing.assert_array_equal(out_v, want_v)
+  assert not k.any() and (v == 1).all()            # the inputs are left alone
+  x = np.array([[[2.5, -3.5]], [[1000.0, -1000.0]], [[0.26, -0.74]]], np.float32)  # [3, 1, 2]
+  q8 = np.zeros((1, 1, 4, 2), np.int8)
+  out, _ = ref.write_kv_cache(q8, q8, x, x, np.array([0, 1, 2]), k_scale=1.0, v_scale=1.0)
+  np.testing.assert_array_equal(out[0, 0, :3], [[2, -4], [127, -127], [0, -1]])
+  f8 = np.zeros((1, 1, 4, 2), ml_dtypes.float8_e4m3fn)
+  out, _ = ref.write_kv_cache(f8, f8, x, x, np.array([3, 2, -5]), k_scale=0.5, v_scale=0.5)
+  np.testing.assert_array_equal(out[0, 0].astype(np.float64),
+                                [[0, 0], [0, 0], [448, -448], [5, -7]])
+
+
+def _paged_kernel_model(x, bf16_kv, opts, shift=0):
+  """A NumPy model of a paged kernel's roundings for bf16 q: K/V dequantized into bf16
+  (`bf16_kv`: [Hkv, num_pages, ps, D] float64 before rounding), then per sequence the
+  flash model (f32 logits, blocked online softmax, bf16 P and out)."""
+  import ml_dtypes
+  bf = lambda a: a.astype(ml_dtypes.bfloat16)
+  out = np.zeros(x["q"].shape, np.float64)
+  cu, ps = x["cu_q_lens"], x["k_pages"].shape[2]
+  for s, kv_len in enumerate(x["kv_lens"]):
+    if cu[s + 1] == cu[s]:
+      continue
+    k, v = (bf(ref.gather_kv(pages, x["page_indices"][s], kv_len, ps))[None]
+            for pages in bf16_kv)
+    q = x["q"][cu[s]:cu[s + 1]].transpose(1, 0, 2)[None]
+    o, _, _ = _flash_model(q, k, v, np.zeros(q.shape, np.float32),
+                           np.zeros(q.shape[:3], np.float32), True,
+                           dict(opts, causal=True, q_offset=kv_len - q.shape[2] + shift),
+                           block_k=16)
+    out[cu[s]:cu[s + 1]] = o[0].transpose(1, 0, 2)
+  return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_paged_tolerance_admits_bf16_dequantization(seed):
+  """bf16 q with an int8 / fp8 cache and non-power-of-two scales: a kernel that rounds the
+  dequantized K/V to bf16, P to bf16 and out to bf16 lands within PAGED_TOLERANCE of the
+  exact reference; a causal mask one key off does not."""
+  import ml_dtypes
+  rng = np.random.default_rng(seed)
+  kv_lens, q_lens = [300, 77, 130], [1, 77, 40]
+  x, _, _ = _paged_problem(seed, kv_lens, q_lens, num_kv_heads=2, group=4, head_dim=128,
+                           page_size=16, pad=3)
+  x["q"] = x["q"].astype(ml_dtypes.bfloat16)
+  name = ["int8", "float8_e4m3fn"][seed % 2]
+  k_scale, v_scale = rng.uniform(0.003, 0.02, 2), rng.uniform(0.003, 0.02, 2)
+  if name == "int8":
+    quant = lambda a: np.clip(np.round(np.nan_to_num(a) * 40), -127, 127).astype(np.int8)
+  else:
+    quant = lambda a: np.nan_to_num(a * 100).astype(ml_dtypes.float8_e4m3fn)
+  kq, vq = quant(x["k_pages"]), quant(x["v_pages"])
+  opts = [dict(sinks=np.array([0.5, -1, 2, 0, 1, 1, -3, 0.2])), dict(sliding_window=100),
+          dict(soft_cap=5.0), {}][seed]
+  deq = lambda a, s: a.astype(np.float64) * s[:, None, None, None]
+  model = _paged_kernel_model(x, (deq(kq, k_scale), deq(vq, v_scale)), opts)
+  want = ref.paged_attention(**dict(x, k_pages=kq, v_pages=vq), k_scale=k_scale,
+                             v_scale=v_scale, **opts)
+  ref.assert_close(model, want, ref.PAGED_TOLERANCE["bfloat16"], "model")
+  wrong = _paged_kernel_model(x, (deq(kq, k_scale), deq(vq, v_scale)), opts, shift=1)
+  with pytest.raises(AssertionError):
+    ref.assert_close(wrong, want, ref.PAGED_TOLERANCE["bfloat16"], "model")
