@@ -16,7 +16,21 @@ For a kernel `rms-norm-tpu` with torch package `rms_norm_tpu`, dist/rms-norm-tpu
 
 The op namespace is `_<package>_v<major>_<hash>`, the hash taken over the package's
 files, so two versions (or two different builds) never clash in one process, while
-importing the same build twice reuses its ops. Pure Python: no torch or jax import.
+importing the same build twice reuses its ops. Pure Python: no torch or jax import
+(the digest is computed by `kernels`' own Rust hasher, `kernels._rust.Digest`, which
+imports neither).
+
+Release additions (issue 7), all deterministic for a given commit so dist/ stays
+reproducible:
+
+* each variant's metadata.json carries `digest` (kernels' format: sha256 of every file of
+  the variant except metadata.json, exactly what `kernels.verify` re-hashes), `source`
+  (the source repository, build.toml `[collection] source-repository`) and
+  `provenance.kernel` (source commit, and whether the build inputs had uncommitted
+  changes: kernels' own DirtyValidator then warns on load);
+* the card gets a generated "Release" section (see `release_notes`);
+* `<out>/<name>.build-report.json` records what `scripts/upload.py` checks: source hash,
+  commit, dirty files, and a hash over every file of `<out>/<name>/`.
 """
 
 from __future__ import annotations
@@ -28,6 +42,8 @@ import shutil
 import sys
 import tomllib
 from pathlib import Path
+
+import release
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_EDITION = 5
@@ -88,6 +104,8 @@ branch = "v{kernel["version"]}"
 
 
 def _metadata(hub_name: str, kernel: dict, namespace: str, backend: str) -> dict:
+  """The fields kernels 0.17 reads; `digest`, `source`, `provenance` are added by
+  `_add_release_metadata` once the variant's files are in place."""
   return {
       "id": f"{namespace}_{backend}",   # the module name kernels imports the variant as
       "name": hub_name,
@@ -114,6 +132,123 @@ def _assemble_package(hub_name: str, kernel: dict, collection: dict, dest: Path)
   return namespace
 
 
+BUILDER = "tpu-kernels scripts/build.py"   # provenance.kernel-builder.version: not kernel-builder
+
+
+def _variant_digest(variant: Path) -> dict:
+  """kernels' own digest of a variant folder, in the JSON form its Metadata parser reads."""
+  from kernels._rust import Digest, DigestAlgorithm
+
+  digest = Digest.hash_variant(DigestAlgorithm.SHA256, variant)
+  return {"algorithm": "sha256", "files": dict(sorted(digest.files.items()))}
+
+
+def _provenance(commit: str | None, dirty: list[str] | None) -> dict:
+  provenance = {"kernel-builder": {"version": BUILDER}}
+  if commit is not None:
+    provenance["kernel"] = {"commit": commit, "dirty": bool(dirty)}
+  return provenance
+
+
+def _add_release_metadata(metadata: dict, variant: Path, collection: dict,
+                          commit: str | None, dirty: list[str] | None) -> dict:
+  metadata = dict(metadata)
+  metadata["digest"] = _variant_digest(variant)
+  if collection.get("source-repository"):
+    metadata["source"] = collection["source-repository"]
+  metadata["provenance"] = _provenance(commit, dirty)
+  return metadata
+
+
+def _estimates_table(hub_name: str, manifest: dict) -> list[str]:
+  """The rows of benchmarks/results/estimates.md's first table that are this kernel's
+  (case names start with its stem, e.g. `rms_norm `), with the table's header."""
+  path = ROOT / "benchmarks" / "results" / "estimates.md"
+  if not path.is_file():
+    return []
+  lines = path.read_text().splitlines()
+  start = next((i for i, l in enumerate(lines) if l.startswith("| case")), None)
+  if start is None:
+    return []
+  table = []
+  for line in lines[start + 2:]:
+    if not line.startswith("|"):
+      break
+    table.append(line)
+  prefix = release.stem(hub_name, manifest) + " "
+  rows = [l for l in table if l.lstrip("| ").startswith(prefix)]
+  return [lines[start], lines[start + 1], *rows] if rows else []
+
+
+def release_notes(hub_name: str, manifest: dict, namespace: str, commit: str | None,
+                  dirty: list[str] | None) -> str:
+  """The card's generated "Release" section, from build.toml, changelog/<name>.md and
+  benchmarks/results/estimates.md (so a new kernel's card gets one with no edit here)."""
+  collection, kernel = manifest["collection"], manifest["kernel"][hub_name]
+  repo_id = f"{collection['hub-org']}/{hub_name}"
+  version = kernel["version"]
+  chips = release.release_chips(hub_name, manifest)
+  source = collection.get("source-repository", "(source repository not set in build.toml)")
+  if commit is None:
+    built_from = f"{source} (not a git checkout: no commit recorded)"
+  else:
+    built_from = f"{source} at commit `{commit}`" + (" plus uncommitted changes" if dirty else "")
+  changes = release.changelog_entry(hub_name, version, ROOT) or (
+      f"(no `## v{version}` entry in changelog/{hub_name}.md)")
+  install = collection.get("tpu-vm-install", 'pip install torch-tpu "jax[tpu]" kernels')
+  out = [
+      "## Release",
+      "",
+      "| | |",
+      "|---|---|",
+      f"| version | v{version}: branch `v{version}` of `{repo_id}`, "
+      f"`get_kernel(\"{repo_id}\", version={version})` |",
+      f"| built from | {built_from} |",
+      f"| op namespace | `{namespace}` |",
+      f"| chips | {', '.join(chips)}: every release compiles ahead of time for these (libtpu) "
+      "and passes its property tests first |",
+      f"| dtypes | {', '.join(kernel.get('dtypes', [])) or '(see Supported)'} |",
+      f"| variants | {', '.join(f'build/torch-{b}' for b in kernel['backends'])} (the same code) |",
+      "",
+      f"### Changes in v{version}",
+      "",
+      changes,
+      "",
+      "### Install on a TPU VM",
+      "",
+      "```",
+      install,
+      "```",
+      "",
+      "### Benchmarks: static estimates, not measured",
+      "",
+  ]
+  table = _estimates_table(hub_name, manifest)
+  if table:
+    out += ["Static estimates from libtpu's cycle count (`benchmarks/estimate.py`), not "
+            "measured on a TPU:", "", *table]
+  else:
+    out += ["No static estimates recorded for this kernel yet; nothing here was measured on a TPU."]
+  out += [
+      "",
+      "### Pin and verify",
+      "",
+      "Pin with `kernels lock` (`[tool.kernels.dependencies]` in pyproject.toml: "
+      f"`\"{repo_id}\" = {version}`), load with `get_locked_kernel(\"{repo_id}\", "
+      "lockfile=...)`. Each variant's `metadata.json` lists the sha256 of every file of the "
+      "variant (`digest`) with the source repository and commit; to re-hash a downloaded "
+      "variant with kernels' own hasher:",
+      "",
+      "```python",
+      "from kernels._rust import Digest, Metadata",
+      "meta = Metadata.read_from_file(variant / \"metadata.json\")",
+      "meta.digest.validate(Digest.hash_variant(meta.digest.algorithm, variant))  # raises on any change",
+      "```",
+      "",
+  ]
+  return "\n".join(out)
+
+
 def build_kernel(hub_name: str, manifest: dict, out_dir: Path) -> Path:
   collection = manifest["collection"]
   kernel = manifest["kernel"][hub_name]
@@ -123,11 +258,14 @@ def build_kernel(hub_name: str, manifest: dict, out_dir: Path) -> Path:
     shutil.rmtree(repo)
   repo.mkdir(parents=True)
 
+  commit = release.git_head(ROOT)
+  dirty = release.git_dirty_paths(release.build_inputs(hub_name, manifest), ROOT)
   namespace = _assemble_package(hub_name, kernel, collection, repo / "torch-ext" / package)
   for backend in kernel["backends"]:
     variant = repo / "build" / f"torch-{backend}"
     shutil.copytree(repo / "torch-ext" / package, variant)
     metadata = _metadata(hub_name, kernel, namespace, backend)
+    metadata = _add_release_metadata(metadata, variant, collection, commit, dirty)
     (variant / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
 
   (repo / "build.toml").write_text(_kernel_build_toml(hub_name, kernel, collection))
@@ -135,8 +273,31 @@ def build_kernel(hub_name: str, manifest: dict, out_dir: Path) -> Path:
   card = (ROOT / kernel["card"]).read_text()
   (repo / "README.md").write_text(card.format(
       repo_id=f"{collection['hub-org']}/{hub_name}", version=kernel["version"],
-      namespace=namespace))
+      namespace=namespace).rstrip("\n") + "\n\n" + release_notes(
+          hub_name, manifest, namespace, commit, dirty))
+  _write_build_report(hub_name, manifest, out_dir, namespace, commit, dirty)
   return repo
+
+
+def _write_build_report(hub_name: str, manifest: dict, out_dir: Path, namespace: str,
+                        commit: str | None, dirty: list[str] | None) -> Path:
+  """`<out>/<name>.build-report.json`: what upload.py checks the build against. No
+  timestamps: the same commit gives the same bytes."""
+  repo = out_dir / hub_name
+  report = {
+      "schema": release.REPORT_SCHEMA,
+      "kernel": hub_name,
+      "version": manifest["kernel"][hub_name]["version"],
+      "namespace": namespace,
+      "source_hash": release.source_hash(hub_name, manifest, ROOT),
+      "source_commit": commit,
+      "dirty": dirty if dirty is not None else ["(not a git checkout)"],
+      "tree_sha256": release.sha256_files(release.tree_files(repo)),
+      "variants": sorted(p.name for p in (repo / "build").iterdir()),
+  }
+  path = release.build_report_path(out_dir, hub_name)
+  path.write_text(json.dumps(report, indent=2) + "\n")
+  return path
 
 
 def main(argv=None) -> int:

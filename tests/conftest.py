@@ -17,3 +17,12 @@ settings.register_profile("ci", max_examples=25, derandomize=True, **_COMMON)
 settings.register_profile("dev", max_examples=6, **_COMMON)
 settings.register_profile("thorough", max_examples=150, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config):
+  """The release gate's recorder (scripts/release_pytest.py): per kernel, the outcome of
+  every test that judges it, for scripts/upload.py. Writes only under build-reports/."""
+  import release_pytest
+
+  if not config.pluginmanager.has_plugin("release_pytest"):
+    config.pluginmanager.register(release_pytest, "release_pytest")
