@@ -10,6 +10,8 @@ Sources of the figures (per TensorCore as JAX sees one device):
   * Default scoped-VMEM limit (what Mosaic allows a kernel without a
     ``vmem_limit_bytes`` override): measured with ahead-of-time compiles against
     libtpu 0.0.42.1 for v5e / v6e / v5p (see tests/test_chips.py).
+  * SMEM capacity: measured with ahead-of-time compiles (a scalar-prefetched table of
+    256Ki int32 overflows "1.00M of 1.00M smem" on v5e and v6e); v7's is assumed equal.
   * Clock: the value the libtpu static cycle estimator uses.
 v7 (Ironwood) cannot be compiled for with libtpu 0.0.42 (no topology); its row
 holds public figures only and ``aot_topology`` is None.
@@ -30,6 +32,7 @@ class Chip:
   device_kinds: tuple[str, ...]      # jax `Device.device_kind` / torch.tpu.get_device_name() strings
   vmem_bytes: int                    # physical VMEM per TensorCore
   default_scoped_vmem_bytes: int     # Mosaic's per-kernel limit without an override
+  smem_bytes: int                    # scalar memory: scalar-prefetched tables live here
   mxu_size: int                      # the MXU is mxu_size x mxu_size
   clock_hz: float | None             # None where no public / compiler figure exists
   bf16_flops_per_s: float
@@ -54,6 +57,7 @@ CHIPS: dict[str, Chip] = {
             device_kinds=("TPU v5e", "TPU v5 lite"),
             vmem_bytes=128 * MiB,
             default_scoped_vmem_bytes=16 * MiB,
+            smem_bytes=1 * MiB,
             mxu_size=128,
             clock_hz=1.5e9,
             bf16_flops_per_s=197e12,
@@ -66,6 +70,7 @@ CHIPS: dict[str, Chip] = {
             device_kinds=("TPU v6e", "TPU v6 lite"),
             vmem_bytes=128 * MiB,
             default_scoped_vmem_bytes=32 * MiB,
+            smem_bytes=1 * MiB,
             mxu_size=256,
             clock_hz=1.75e9,
             bf16_flops_per_s=918e12,
@@ -78,6 +83,7 @@ CHIPS: dict[str, Chip] = {
             device_kinds=("TPU v5p", "TPU v5"),
             vmem_bytes=64 * MiB,
             default_scoped_vmem_bytes=16 * MiB,
+            smem_bytes=1 * MiB,
             mxu_size=128,
             clock_hz=1.75e9,
             bf16_flops_per_s=459e12,
@@ -92,6 +98,7 @@ CHIPS: dict[str, Chip] = {
             device_kinds=("TPU7x", "TPU7", "TPU v7"),
             vmem_bytes=64 * MiB,
             default_scoped_vmem_bytes=32 * MiB,
+            smem_bytes=1 * MiB,
             mxu_size=256,
             clock_hz=None,
             bf16_flops_per_s=2.31e15,

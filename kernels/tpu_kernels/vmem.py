@@ -1,4 +1,4 @@
-"""VMEM budgets and tile arithmetic shared by every kernel.
+"""VMEM and SMEM budgets and tile arithmetic shared by every kernel.
 
 A kernel's tiles are chosen so that everything it keeps in VMEM at once (the
 double-buffered input/output blocks plus its f32 temporaries) fits a *budget*: a
@@ -16,6 +16,10 @@ from .chips import Chip, MiB  # noqa: F401  (MiB re-exported for tile arithmetic
 
 # Share of the scoped-VMEM limit a kernel plans to fill with its own buffers.
 BUDGET_FRACTION = 0.5
+# Share of SMEM a kernel may fill with scalar-prefetched tables (page tables, visit
+# tables). Mosaic keeps its own scalars there too; jax's paged attention overflows SMEM
+# exactly by prefetching a whole page table (vllm#9350), so tables are chunked to this.
+SMEM_BUDGET_FRACTION = 0.25
 
 
 def resolve_vmem_limit(chip: Chip, vmem_limit_bytes: int | None) -> int:
@@ -37,6 +41,11 @@ def resolve_vmem_limit(chip: Chip, vmem_limit_bytes: int | None) -> int:
 def vmem_budget(chip: Chip, vmem_limit_bytes: int | None) -> int:
   """Bytes a kernel may plan for its own buffers under the resolved limit."""
   return int(resolve_vmem_limit(chip, vmem_limit_bytes) * BUDGET_FRACTION)
+
+
+def smem_budget_words(chip: Chip) -> int:
+  """32-bit words of scalar-prefetched tables a kernel may plan for on `chip`."""
+  return int(chip.smem_bytes * SMEM_BUDGET_FRACTION) // 4
 
 
 def sublane_multiple(dtype) -> int:

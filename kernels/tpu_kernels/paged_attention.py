@@ -1,0 +1,746 @@
+"""Ragged paged attention for TPU in Pallas: one call serves decode, prefill and mixed
+batches over a paged KV cache (GQA, sliding window, soft-cap, sinks, int8 / fp8 caches).
+
+Inputs. The new tokens of S sequences are packed along one axis: q [T, Hq, D], sequence
+s owning rows cu_q_lens[s] : cu_q_lens[s + 1]. Its keys and values are in a paged cache,
+one array per K and V:
+
+    k_pages, v_pages   [Hkv, num_pages, page_size, D]
+
+token j of sequence s at k_pages[h, page_indices[s, j // page_size], j % page_size]. This
+is the layout of jax's `paged_attention` (and JetStream's): one page of one KV head is a
+contiguous page_size x D run, so every page is one DMA per KV head, and a KV head's page
+serves all G = Hq / Hkv query heads of its group.
+
+Math. With q_len[s] = cu_q_lens[s+1] - cu_q_lens[s], the queries of sequence s are the
+last q_len[s] tokens of its kv_lens[s] keys (the caller writes them into the cache first,
+see `write_kv_cache`): query i sits at position p = kv_lens[s] - q_len[s] + i. Then
+
+    visible(p, j) = j <= p and (sliding_window is None or p - j < sliding_window)
+    s_j  = sm_scale * k_scale[h] * (q . k_j)         (f32; k_scale = 1 for float caches)
+    s_j  = soft_cap * tanh(s_j / soft_cap)           if soft_cap
+    lse  = log(exp(sinks[h]) + sum_{visible j} exp(s_j))   (no sink term without sinks)
+    out  = v_scale[h] * sum_{visible j} exp(s_j - lse) v_j
+
+A decode step is q_len 1; a prefill chunk is q_len > 1 with kv_lens - q_len cached tokens
+before it. Rows of q past cu_q_lens[S] are padding and come out as zeros.
+
+Work items. The packed tokens are cut, in XLA, into *work items* of block_q consecutive
+tokens of one sequence (a sequence of n tokens gives ceil(n / block_q) items; at most
+min(T, ceil(T / block_q) + S) items in all, a static bound). q is gathered into
+[W, Hkv, G * block_q, D], rows ordered head-major (row r is head r // block_q, token
+r % block_q), so one item's block holds every query head of one KV head: a decode step
+of a 32/8-head model is one (4, D) block against each page, and a prefill item is a
+(G * block_q, D) block. Output blocks are gathered back to [T, Hq, D] per token.
+
+Grid (items, Hkv, kv steps): kv step t of an item reads pages_per_block pages, one
+BlockSpec per page of the block (the page table is scalar-prefetched, so each page's
+index map looks its page id up: `page_indices[seq, block * pages_per_block + i]`), and
+Pallas double-buffers them like any block. Online softmax over the steps, with f32
+running max / sum (lane-replicated) and accumulator in VMEM.
+
+Skipping. Each item needs only the keys from its first query's window start (0 without
+a window) to its last query's position. Steps past that range repeat the last block's
+page indices, so Pallas issues no DMA for them and the body is skipped; pages before the
+window are never read, and pages past the sequence's last needed one are clamped to it
+(so the page table's unused entries, which may hold anything, are never read).
+
+SMEM. The per-item tables and the page table rows are scalar-prefetched. A whole page
+table (S * pages_per_seq words) overflows SMEM (1 MiB) at long contexts and big batches,
+so the items are split into chunks of at most `items_per_call` items, each given only the
+page table rows of the sequences its items touch (gathered in XLA), and one kernel runs
+once per chunk (`lax.map`): SMEM use is bounded by items_per_call * (pages_per_seq + 8)
+words, set from the chip's SMEM budget.
+
+Quantized caches (int8, float8_e4m3fn) are converted exactly into q's dtype inside the
+kernel (both fit bf16 exactly), and their per-KV-head scales applied to the f32 logits
+and output: the cache is read at 1 byte per element. Float caches must have q's dtype:
+no silent down-casts.
+
+Cache slots past a sequence's length may hold anything (even NaN): keys past the length
+are masked, and the values there are zeroed before the p @ v product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+import numpy as np
+
+from . import chips
+from . import vmem
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
+QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
+# The pallas_call name, as it appears in compiled HLO.
+KERNEL_NAME = "ragged_paged_attention"
+PAGE_SIZES = tuple(range(16, 257, 16))   # multiples of 16 from 16 to 256
+
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_LANES = 128
+_NT = (((1,), (1,)), ((), ()))   # a @ b.T
+_NN = (((1,), (0,)), ((), ()))   # a @ b
+_INT8_MAX = 127.0
+_FP8_E4M3_MAX = 448.0
+# Per-item int32 tables scalar-prefetched next to the page table rows (see _work_items).
+_ITEM_FIELDS = ("seq", "rows", "q_pos", "kv_len", "first_block", "last_block", "first_page",
+                "last_page")
+# More BlockSpecs per step lengthen compiles for no gain once a step moves enough bytes.
+_MAX_PAGES_PER_BLOCK = 64
+_BLOCK_KV_CANDIDATES = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
+
+
+# ----------------------------------------------------------------------------- tiling
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  block_q: int            # tokens of one sequence per work item (a power of two)
+  block_kv: int           # keys per kv step = pages_per_block * page_size
+  pages_per_block: int
+  items_per_call: int     # work items per pallas_call (bounds the SMEM tables)
+  vmem_limit_bytes: int
+  vmem_plan_bytes: int    # what the tiling plans to keep in VMEM
+  smem_plan_words: int    # scalar-prefetched words per call
+
+
+def _plan_bytes(rows, block_kv, head_dim, q_itemsize, kv_itemsize):
+  d = vmem.lane_padded(head_dim)
+  total = 2 * 2 * block_kv * d * kv_itemsize          # K and V pages, double-buffered
+  total += 2 * block_kv * d * q_itemsize               # the block converted to q's dtype
+  total += 2 * 2 * rows * d * q_itemsize               # q and out blocks, double-buffered
+  total += rows * d * 4 + 3 * rows * _LANES * 4        # accumulator, m, l, sinks
+  total += 3 * rows * vmem.lane_padded(block_kv) * 4   # logits, probabilities, mask
+  return total
+
+
+def _default_block_q(num_tokens: int, num_seqs: int, group: int, chip: chips.Chip) -> int:
+  """Tokens per work item: about the mean new tokens per sequence (1 for pure decode),
+  as a power of two, with G * block_q rows at most one MXU pass (128 on v5e, 256 on v6e)."""
+  mean = max(1, -(-num_tokens // max(num_seqs, 1)))
+  block_q = 1 << (mean - 1).bit_length()
+  max_rows = max(chip.mxu_size, group)
+  while block_q > 1 and group * block_q > max_rows:
+    block_q //= 2
+  return block_q
+
+
+def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: int,
+                 head_dim: int, *, group: int, q_dtype, kv_dtype,
+                 chip: str = chips.DEFAULT_CHIP, block_q: int | None = None,
+                 block_kv: int | None = None, vmem_limit_bytes: int | None = None) -> Tiling:
+  """Tiles for one call shape from the chip's VMEM and SMEM budgets.
+
+  block_kv: the largest candidate (a multiple of page_size, at most 64 pages, no longer
+  than a sequence's pages) whose plan fits the VMEM budget. items_per_call: all items
+  when their tables fit the SMEM budget, else as many as fit.
+  """
+  chip_ = chips.get_chip(chip)
+  if block_q is None:
+    block_q = _default_block_q(num_tokens, num_seqs, group, chip_)
+  elif not isinstance(block_q, (int, np.integer)) or block_q < 1 or block_q & (block_q - 1):
+    raise ValueError(f"block_q must be a power of two >= 1, got {block_q!r}")
+  rows = group * block_q
+  q_itemsize, kv_itemsize = np.dtype(q_dtype).itemsize, np.dtype(kv_dtype).itemsize
+  limit = vmem.resolve_vmem_limit(chip_, vmem_limit_bytes)
+  budget = int(limit * vmem.BUDGET_FRACTION)
+  plan = functools.partial(_plan_bytes, rows, head_dim=head_dim, q_itemsize=q_itemsize,
+                           kv_itemsize=kv_itemsize)
+  if block_kv is not None:
+    if (not isinstance(block_kv, (int, np.integer)) or block_kv < page_size
+        or block_kv % page_size):
+      raise ValueError(f"block_kv must be a positive multiple of page_size={page_size}, "
+                       f"got {block_kv!r}")
+  else:
+    longest = pages_per_seq * page_size
+    cands = [c for c in _BLOCK_KV_CANDIDATES
+             if c % page_size == 0 and c // page_size <= _MAX_PAGES_PER_BLOCK]
+    cands = [c for c in cands if c <= max(longest, page_size)] or [page_size]
+    fitting = [c for c in cands if plan(c) <= budget]
+    block_kv = fitting[0] if fitting else cands[-1]
+  needed = plan(block_kv)
+  if needed > budget and vmem_limit_bytes is None:
+    limit = vmem.round_up(int(needed / vmem.BUDGET_FRACTION), vmem.MiB)
+    if limit > chip_.max_vmem_limit_bytes:
+      raise ValueError(f"paged attention with {rows} query rows per item, head_dim={head_dim}"
+                       f" and {block_kv} keys per step needs {needed} bytes of VMEM, more "
+                       f"than {chip_.name} allows; pass a smaller block_q")
+  words = vmem.smem_budget_words(chip_)
+  per_item = pages_per_seq + len(_ITEM_FIELDS)
+  items = num_work_items(num_tokens, num_seqs, block_q)
+  if min(items, num_seqs) * pages_per_seq + len(_ITEM_FIELDS) * items <= words:
+    items_per_call = items
+  else:
+    items_per_call = words // per_item
+    if items_per_call < 1:
+      raise ValueError(f"a page table row of {pages_per_seq} pages does not fit {chip_.name}'s "
+                       f"SMEM budget ({words} words); use larger pages")
+  smem = min(items_per_call, num_seqs) * pages_per_seq + len(_ITEM_FIELDS) * items_per_call
+  return Tiling(block_q, block_kv, block_kv // page_size, items_per_call, limit, needed, smem)
+
+
+def num_work_items(num_tokens: int, num_seqs: int, block_q: int) -> int:
+  """Static bound on the work items of any batch of this shape (each holds >= 1 token)."""
+  return max(1, min(num_tokens, -(-num_tokens // block_q) + num_seqs))
+
+
+# ----------------------------------------------------------------------------- work items
+
+
+def _work_items(kv_lens, cu_q_lens, num_tokens, num_items, block_q, block_kv, page_size,
+                sliding_window):
+  """Per-item int32 tables [num_items] (see _ITEM_FIELDS), plus for every token its item
+  and row (token_item, token_row) and whether it belongs to a sequence (token_valid)."""
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  num_seqs = q_lens.shape[0]
+  blocks = (q_lens + block_q - 1) // block_q
+  item_end = jnp.cumsum(blocks)
+  item_begin = item_end - blocks
+  w = jnp.arange(num_items, dtype=jnp.int32)
+  total = item_end[-1]
+  valid = w < total
+  seq = jnp.minimum(jnp.searchsorted(item_end, w, side="right"), num_seqs - 1)
+  # Empty items keep the last real item's sequence, so that they never claim a page
+  # table row of their own (see _chunk_page_tables).
+  seq = jnp.where(valid, seq, seq[jnp.maximum(total - 1, 0)]).astype(jnp.int32)
+  first_row = (w - item_begin[seq]) * block_q
+  rows = jnp.where(valid, jnp.clip(q_lens[seq] - first_row, 0, block_q), 0)
+  kv_len = kv_lens[seq]
+  q_pos = kv_len - q_lens[seq] + first_row                  # position of the item's row 0
+  last_key = jnp.maximum(q_pos + rows - 1, 0)
+  first_key = jnp.zeros_like(q_pos)
+  if sliding_window is not None:
+    first_key = jnp.clip(q_pos - sliding_window + 1, 0, last_key)
+
+  def zero_if_invalid(x):
+    return jnp.where(valid, x, 0).astype(jnp.int32)
+
+  items = dict(
+      seq=seq, rows=rows.astype(jnp.int32), q_pos=zero_if_invalid(q_pos),
+      kv_len=zero_if_invalid(kv_len),
+      first_block=zero_if_invalid(first_key // block_kv),
+      last_block=zero_if_invalid(last_key // block_kv),
+      first_page=zero_if_invalid(first_key // page_size),
+      last_page=zero_if_invalid(last_key // page_size))
+  tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+  token_valid = tokens < cu_q_lens[-1]
+  token_seq = jnp.minimum(jnp.searchsorted(cu_q_lens[1:], tokens, side="right"), num_seqs - 1)
+  local = tokens - cu_q_lens[token_seq]
+  token_item = jnp.where(token_valid, item_begin[token_seq] + local // block_q, 0)
+  token_row = jnp.where(token_valid, local % block_q, 0)
+  token_first = jnp.where(valid, cu_q_lens[seq] + first_row, 0)   # item's first token
+  return items, token_first, token_item, token_row, token_valid
+
+
+def _chunk_page_tables(page_indices, seq, items_per_call, num_calls, num_pages):
+  """Per call, the page-table rows of the sequences its items touch, and each item's
+  row among them: ([num_calls, rows_per_call, P] int32, [num_items] int32)."""
+  num_seqs = page_indices.shape[0]
+  rows_per_call = min(items_per_call, num_seqs)
+  w = jnp.arange(seq.shape[0])
+  starts = (w % items_per_call == 0) | (seq != jnp.roll(seq, 1))   # a new sequence in the call
+  call = w // items_per_call
+  rank = jnp.cumsum(starts) - 1
+  rank = rank - rank[call * items_per_call]                        # restart at each call
+  rank = jnp.minimum(rank, rows_per_call - 1).astype(jnp.int32)
+  row_seq = jnp.zeros((num_calls, rows_per_call), jnp.int32).at[call, rank].set(seq)
+  # Clamped: a page id outside the cache must never become an out-of-bounds DMA. (Used
+  # entries are validated on the checked path; unused ones may hold anything.)
+  tables = jnp.clip(page_indices[row_seq], 0, num_pages - 1).astype(jnp.int32)
+  return tables, rank
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  sm_scale: float
+  soft_cap: float | None
+  sliding_window: int | None
+  has_sinks: bool
+  quantized: bool
+  block_q: int
+  block_kv: int
+  page_size: int
+  pages_per_block: int
+  pages_per_seq: int
+  vmem_limit_bytes: int
+  interpret: bool
+
+
+def _kernel(*refs, st: _Static):
+  (seq_ref, rows_ref, q_pos_ref, kv_len_ref, first_block_ref, last_block_ref, _, _,
+   table_ref, scales_ref, q_ref, *refs) = refs
+  if st.has_sinks:
+    sinks_ref, *refs = refs
+  n = st.pages_per_block
+  k_refs, v_refs, (o_ref, m_ref, l_ref, acc_ref) = refs[:n], refs[n:2 * n], refs[2 * n:]
+  item, head, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  num_rows, head_dim = acc_ref.shape
+  bkv = st.block_kv
+  del seq_ref, table_ref
+
+  @pl.when(step == 0)
+  def _init():
+    if st.has_sinks:   # the sink joins the softmax as one more logit with no value
+      m_ref[...] = sinks_ref[...]
+      l_ref[...] = jnp.ones_like(l_ref)
+    else:
+      m_ref[...] = jnp.full_like(m_ref, _MASK_VALUE)
+      l_ref[...] = jnp.zeros_like(l_ref)
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  block = first_block_ref[item] + step
+  run = (rows_ref[item] > 0) & (block <= last_block_ref[item])
+
+  @pl.when(run)
+  def _compute():
+    dtype = q_ref.dtype
+    k = jnp.concatenate([r[...].astype(dtype) for r in k_refs], axis=0)   # (bkv, D)
+    v = jnp.concatenate([r[...].astype(dtype) for r in v_refs], axis=0)
+    kv_len = kv_len_ref[item]
+    key0 = block * bkv
+    # Values past the sequence's length may be garbage (NaN): p = 0 there, but 0 * NaN
+    # is NaN, so they are zeroed.
+    key_rows = key0 + lax.broadcasted_iota(jnp.int32, (bkv, head_dim), 0)
+    v = jnp.where(key_rows < kv_len, v, jnp.zeros_like(v))
+    s = lax.dot_general(q_ref[...], k, _NT, preferred_element_type=jnp.float32)
+    scale = st.sm_scale * scales_ref[0, head] if st.quantized else st.sm_scale
+    s = s * scale
+    if st.soft_cap is not None:
+      s = st.soft_cap * jnp.tanh(s * (1.0 / st.soft_cap))
+    row = lax.broadcasted_iota(jnp.int32, (num_rows, bkv), 0)
+    token = row & (st.block_q - 1) if st.block_q > 1 else jnp.zeros_like(row)
+    q_pos = q_pos_ref[item] + token
+    key = key0 + lax.broadcasted_iota(jnp.int32, (num_rows, bkv), 1)
+    visible = key <= jnp.minimum(q_pos, kv_len - 1)
+    if st.sliding_window is not None:
+      visible = visible & (q_pos - key < st.sliding_window)
+    s = jnp.where(visible, s, _MASK_VALUE)
+    m_prev = m_ref[...]                                          # (rows, 128), lanes equal
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.where(visible, jnp.exp(s - _lanes(m_new, bkv)), 0.0)
+    alpha = jnp.exp(m_prev - m_new)
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    acc_ref[...] = _lanes(alpha, head_dim) * acc_ref[...] + lax.dot_general(
+        p.astype(dtype), v, _NN, preferred_element_type=jnp.float32)
+    m_ref[...] = m_new
+
+  @pl.when(step == pl.num_programs(2) - 1)
+  def _finish():
+    l = l_ref[...]
+    seen = l > 0.0     # false only for an empty item, whose rows are never gathered
+    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    if st.quantized:
+      inv = inv * scales_ref[1, head]
+    o_ref[...] = (acc_ref[...] * _lanes(inv, head_dim)).astype(o_ref.dtype)
+
+
+def _lanes(x, width: int):
+  """(rows, 128) with equal lanes -> (rows, width)."""
+  if width % _LANES == 0:
+    return jnp.tile(x, (1, width // _LANES))
+  if width < _LANES:
+    return x[:, :width]
+  return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
+
+
+def _call(items, table, scales, q_items, sink_rows, k_pages, v_pages, st: _Static):
+  """One pallas_call over `q_items` [Wc, Hkv, rows, D] -> out [Wc, Hkv, rows, D]."""
+  num_items, num_kv_heads, num_rows, head_dim = q_items.shape
+  n, ps = st.pages_per_block, st.page_size
+  steps = -(-st.pages_per_seq // n)
+
+  def page_map(i):
+    def index_map(w, h, t, seq, rows, q_pos, kv_len, first_block, last_block, first_page,
+                  last_page, table, scales):
+      block = jnp.minimum(first_block[w] + t, last_block[w])
+      page = jnp.clip(block * n + i, first_page[w], last_page[w])
+      return h, table[seq[w] * st.pages_per_seq + page], 0, 0
+    return index_map
+
+  row_spec = pl.BlockSpec((None, None, num_rows, head_dim), lambda w, h, t, *_: (w, h, 0, 0))
+  page_specs = [pl.BlockSpec((None, None, ps, head_dim), page_map(i)) for i in range(n)]
+  in_specs = [row_spec]
+  operands = [q_items]
+  if st.has_sinks:
+    in_specs.append(pl.BlockSpec((None, num_rows, _LANES), lambda w, h, t, *_: (h, 0, 0)))
+    operands.append(sink_rows)
+  in_specs += page_specs + page_specs
+  operands += [k_pages] * n + [v_pages] * n
+  return pl.pallas_call(
+      functools.partial(_kernel, st=st),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=len(_ITEM_FIELDS) + 2,
+          grid=(num_items, num_kv_heads, steps),
+          in_specs=in_specs,
+          out_specs=row_spec,
+          scratch_shapes=[pltpu.VMEM((num_rows, _LANES), jnp.float32),
+                          pltpu.VMEM((num_rows, _LANES), jnp.float32),
+                          pltpu.VMEM((num_rows, head_dim), jnp.float32)]),
+      out_shape=jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary"),
+          vmem_limit_bytes=st.vmem_limit_bytes),
+      interpret=st.interpret,
+      name=KERNEL_NAME,
+  )(*[items[f] for f in _ITEM_FIELDS], table.reshape(-1), scales, *operands)
+
+
+# ----------------------------------------------------------------------------- API
+
+
+def _is_concrete(*arrays) -> bool:
+  return not any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def _scales(scale, num_kv_heads, name):
+  """A scale given as a python float, a 0-d or an [Hkv] array -> f32 [Hkv]."""
+  s = jnp.asarray(scale, jnp.float32) if not hasattr(scale, "dtype") else scale
+  if not jnp.issubdtype(s.dtype, jnp.floating):
+    raise TypeError(f"{name} must be floating point, got {s.dtype}")
+  if s.shape not in ((), (1,), (num_kv_heads,)):
+    raise ValueError(f"{name} must be a scalar or have shape ({num_kv_heads},) (one per KV "
+                     f"head), got {s.shape}")
+  return jnp.broadcast_to(s.astype(jnp.float32).reshape(-1), (num_kv_heads,))
+
+
+def _check_cache(k_pages, v_pages, head_dim, k_scale, v_scale, what):
+  if k_pages.ndim != 4:
+    raise ValueError(f"k_pages must be 4-D [num_kv_heads, num_pages, page_size, head_dim], "
+                     f"got shape {k_pages.shape}")
+  if k_pages.shape != v_pages.shape:
+    raise ValueError(f"k_pages and v_pages must have the same shape, got {k_pages.shape} and "
+                     f"{v_pages.shape}")
+  if k_pages.dtype != v_pages.dtype:
+    raise TypeError(f"k_pages and v_pages must have the same dtype, got {k_pages.dtype} and "
+                    f"{v_pages.dtype}")
+  num_kv_heads, num_pages, page_size, cache_head_dim = k_pages.shape
+  if cache_head_dim != head_dim:
+    raise ValueError(f"the cache's head_dim {cache_head_dim} differs from {what}'s {head_dim}")
+  if page_size not in PAGE_SIZES:
+    raise ValueError(f"page_size must be a multiple of 16 from 16 to 256, got {page_size}")
+  if num_kv_heads == 0 or num_pages == 0:
+    raise ValueError(f"the cache must have KV heads and pages, got shape {k_pages.shape}")
+  quantized = k_pages.dtype in QUANTIZED_DTYPES
+  if quantized and (k_scale is None or v_scale is None):
+    raise ValueError(f"a {k_pages.dtype} cache needs k_scale and v_scale")
+  if not quantized and (k_scale is not None or v_scale is not None):
+    raise ValueError(f"k_scale / v_scale apply only to int8 / float8_e4m3fn caches, not "
+                     f"{k_pages.dtype}")
+  return quantized
+
+
+def check_indices(kv_lens, page_indices, cu_q_lens, *, num_tokens: int, num_pages: int,
+                  page_size: int) -> None:
+  """Checks the index inputs on concrete values (NumPy); ValueError naming the sequence.
+
+  cu_q_lens starts at 0, never decreases and ends at most at num_tokens; every sequence
+  has 0 <= q_len <= kv_len <= pages_per_seq * page_size; every page id a sequence uses
+  (its first ceil(kv_len / page_size)) is in [0, num_pages).
+  """
+  kv_lens, page_indices, cu = (np.asarray(a) for a in (kv_lens, page_indices, cu_q_lens))
+  num_seqs = kv_lens.shape[0]
+  if cu.shape != (num_seqs + 1,):
+    raise ValueError(f"cu_q_lens must have shape ({num_seqs + 1},) for {num_seqs} sequences, "
+                     f"got {cu.shape}")
+  if page_indices.ndim != 2 or page_indices.shape[0] != num_seqs:
+    raise ValueError(f"page_indices must have shape ({num_seqs}, pages_per_seq), got "
+                     f"{page_indices.shape}")
+  if cu[0] != 0:
+    raise ValueError(f"cu_q_lens[0] must be 0, got {cu[0]}")
+  q_lens = np.diff(cu)
+  if (q_lens < 0).any():
+    s = int(np.argmax(q_lens < 0))
+    raise ValueError(f"cu_q_lens must not decrease: cu_q_lens[{s + 1}]={cu[s + 1]} < "
+                     f"cu_q_lens[{s}]={cu[s]}")
+  if cu[-1] > num_tokens:
+    raise ValueError(f"cu_q_lens[-1]={cu[-1]} exceeds the {num_tokens} tokens of q")
+  capacity = page_indices.shape[1] * page_size
+  for s in range(num_seqs):
+    if not q_lens[s] <= kv_lens[s] <= capacity:
+      raise ValueError(
+          f"sequence {s}: need q_len ({q_lens[s]}) <= kv_len ({kv_lens[s]}) <= pages_per_seq "
+          f"* page_size ({capacity})")
+    used = page_indices[s, :-(-int(kv_lens[s]) // page_size)]
+    bad = (used < 0) | (used >= num_pages)
+    if bad.any():
+      j = int(np.argmax(bad))
+      raise ValueError(f"sequence {s}: page_indices[{s}, {j}]={used[j]} is outside the cache's "
+                       f"{num_pages} pages")
+
+
+def _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sliding_window, soft_cap,
+           sinks, k_scale, v_scale):
+  if q.ndim != 3:
+    raise ValueError(f"q must be 3-D [tokens, heads, head_dim], got shape {q.shape}")
+  if q.dtype not in FLOAT_DTYPES:
+    raise TypeError(f"q must be float32 or bfloat16, got {q.dtype}")
+  num_tokens, num_q_heads, head_dim = q.shape
+  if num_tokens == 0 or head_dim == 0:
+    raise ValueError(f"q must have tokens and a head_dim, got shape {q.shape}")
+  if k_pages.dtype not in QUANTIZED_DTYPES and k_pages.dtype != q.dtype:
+    raise TypeError(f"the cache must have q's dtype {q.dtype} or be int8 / float8_e4m3fn with "
+                    f"scales, got {k_pages.dtype}; no silent casts")
+  quantized = _check_cache(k_pages, v_pages, head_dim, k_scale, v_scale, "q")
+  num_kv_heads = k_pages.shape[0]
+  if num_q_heads % num_kv_heads:
+    raise ValueError(f"the number of query heads ({num_q_heads}) must be a multiple of the "
+                     f"number of KV heads ({num_kv_heads})")
+  for name, a in (("kv_lens", kv_lens), ("page_indices", page_indices),
+                  ("cu_q_lens", cu_q_lens)):
+    if not jnp.issubdtype(a.dtype, jnp.integer):
+      raise TypeError(f"{name} must be integers, got {a.dtype}")
+  num_seqs = kv_lens.shape[0] if kv_lens.ndim == 1 else -1
+  if num_seqs < 1:
+    raise ValueError(f"kv_lens must be 1-D [num_seqs] with num_seqs >= 1, got {kv_lens.shape}")
+  if page_indices.ndim != 2 or page_indices.shape[0] != num_seqs or page_indices.shape[1] < 1:
+    raise ValueError(f"page_indices must have shape ({num_seqs}, pages_per_seq >= 1), got "
+                     f"{page_indices.shape}")
+  if cu_q_lens.shape != (num_seqs + 1,):
+    raise ValueError(f"cu_q_lens must have shape ({num_seqs + 1},), got {cu_q_lens.shape}")
+  if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer))
+                                     or sliding_window < 1):
+    raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+  if soft_cap is not None and not soft_cap > 0:
+    raise ValueError(f"soft_cap must be None or > 0, got {soft_cap!r}")
+  if sinks is not None:
+    if sinks.shape != (num_q_heads,):
+      raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got "
+                       f"{sinks.shape}")
+    if sinks.dtype not in FLOAT_DTYPES:
+      raise TypeError(f"sinks must be float32 or bfloat16, got {sinks.dtype}")
+  return quantized
+
+
+def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *,
+                           sm_scale: float | None = None, soft_cap: float | None = None,
+                           sliding_window: int | None = None, sinks=None, k_scale=None,
+                           v_scale=None, chip: str | None = None, block_q: int | None = None,
+                           block_kv: int | None = None, vmem_limit_bytes: int | None = None,
+                           interpret: bool = False):
+  """Attention of packed new tokens over a paged KV cache (math in the module docstring).
+
+  Args:
+    q: [T, Hq, D] float32 or bfloat16: the new tokens of all sequences, packed.
+    k_pages, v_pages: [Hkv, num_pages, page_size, D]: q's dtype, or int8 / float8_e4m3fn
+      with k_scale / v_scale. page_size a multiple of 16 from 16 to 256; Hq % Hkv == 0.
+    kv_lens: [S] int32: each sequence's KV length, including its new tokens.
+    page_indices: [S, pages_per_seq] int32: each sequence's page ids; entries past its
+      ceil(kv_len / page_size) used pages are never read.
+    cu_q_lens: [S + 1] int32: sequence s owns q[cu_q_lens[s]:cu_q_lens[s + 1]].
+      Sequences with q_len 0 are padding; q rows past cu_q_lens[S] come out as zeros.
+    sm_scale: logit scale, default 1 / sqrt(D).
+    soft_cap: float > 0: logits become soft_cap * tanh(logits / soft_cap).
+    sliding_window: int >= 1: key j visible from position p only if p - j < window.
+    sinks: [Hq] float32 or bfloat16: one learned logit per query head (gpt-oss).
+    k_scale, v_scale: for quantized caches: a float or an [Hkv] array (per KV head).
+    chip: tiles and VMEM / SMEM budgets for "v5e", "v6e", "v5p" or "v7" (default v6e).
+    block_q, block_kv, vmem_limit_bytes: override the tiling (`paged_tiling`).
+    interpret: run in Pallas interpret mode (CPU).
+
+  Index inputs are checked (`check_indices`) when they are concrete; under jit they
+  cannot be, and bad page ids are clamped into the cache rather than read out of bounds.
+
+  Returns:
+    out [T, Hq, D] in q's dtype.
+  """
+  quantized = _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sliding_window,
+                     soft_cap, sinks, k_scale, v_scale)
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  num_seqs, pages_per_seq = page_indices.shape
+  group = num_q_heads // num_kv_heads
+  if _is_concrete(kv_lens, page_indices, cu_q_lens):
+    check_indices(kv_lens, page_indices, cu_q_lens, num_tokens=num_tokens,
+                  num_pages=num_pages, page_size=page_size)
+  chip = chips.DEFAULT_CHIP if chip is None else chip
+  t = paged_tiling(num_tokens, num_seqs, pages_per_seq, page_size, head_dim, group=group,
+                   q_dtype=q.dtype, kv_dtype=k_pages.dtype, chip=chip, block_q=block_q,
+                   block_kv=block_kv, vmem_limit_bytes=vmem_limit_bytes)
+  st = _Static(
+      sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),
+      soft_cap=None if soft_cap is None else float(soft_cap),
+      sliding_window=None if sliding_window is None else int(sliding_window),
+      has_sinks=sinks is not None, quantized=quantized, block_q=t.block_q,
+      block_kv=t.block_kv, page_size=page_size, pages_per_block=t.pages_per_block,
+      pages_per_seq=pages_per_seq, vmem_limit_bytes=t.vmem_limit_bytes,
+      interpret=bool(interpret))
+
+  bq, rows = t.block_q, group * t.block_q
+  num_items = num_work_items(num_tokens, num_seqs, bq)
+  num_calls = -(-num_items // t.items_per_call)
+  num_items_p = num_calls * t.items_per_call
+  kv_lens = kv_lens.astype(jnp.int32)
+  cu_q_lens = cu_q_lens.astype(jnp.int32)
+  items, token_first, token_item, token_row, token_valid = _work_items(
+      kv_lens, cu_q_lens, num_tokens, num_items_p, bq, t.block_kv, page_size, sliding_window)
+  tables, items["seq"] = _chunk_page_tables(page_indices, items["seq"], t.items_per_call,
+                                            num_calls, num_pages)
+
+  # q -> [W, Hkv, G * bq, D], head-major rows; rows past an item's tokens read a zero row.
+  offsets = jnp.arange(bq, dtype=jnp.int32)
+  src = jnp.where(offsets[None, :] < items["rows"][:, None],
+                  token_first[:, None] + offsets[None, :], num_tokens)
+  q_rows = jnp.concatenate([q, jnp.zeros((1,) + q.shape[1:], q.dtype)])[src]   # [W, bq, Hq, D]
+  q_items = q_rows.reshape(num_items_p, bq, num_kv_heads, group, head_dim)
+  q_items = q_items.transpose(0, 2, 3, 1, 4).reshape(num_items_p, num_kv_heads, rows, head_dim)
+
+  scales = jnp.zeros((2, 1), jnp.float32)
+  if quantized:
+    scales = jnp.stack([_scales(k_scale, num_kv_heads, "k_scale"),
+                        _scales(v_scale, num_kv_heads, "v_scale")])
+  sink_rows = None
+  if sinks is not None:
+    per_row = jnp.repeat(sinks.astype(jnp.float32).reshape(num_kv_heads, group), bq, axis=1)
+    sink_rows = jnp.broadcast_to(per_row[:, :, None], (num_kv_heads, rows, _LANES))
+
+  def call(chunk):
+    chunk_items, table, chunk_q = chunk
+    return _call(chunk_items, table, scales, chunk_q, sink_rows, k_pages, v_pages, st)
+
+  if num_calls == 1:
+    out_items = call((items, tables[0], q_items))
+  else:   # one kernel, run once per chunk of items (each with its own page-table rows)
+    def split(a):
+      return a.reshape((num_calls, t.items_per_call) + a.shape[1:])
+    out_items = lax.map(call, ({f: split(a) for f, a in items.items()}, tables,
+                               split(q_items)))
+    out_items = out_items.reshape((num_items_p,) + out_items.shape[2:])
+  # Back to tokens: [W, Hkv, G, bq, D] -> [W, bq, Hkv, G, D], one row per token.
+  out_items = out_items.reshape(num_items_p, num_kv_heads, group, bq, head_dim)
+  out = out_items.transpose(0, 3, 1, 2, 4)[token_item, token_row]       # [T, Hkv, G, D]
+  out = jnp.where(token_valid[:, None, None, None], out, jnp.zeros_like(out))
+  return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+# ----------------------------------------------------------------------------- cache writes
+
+
+def _quantize(x, dtype, scale):
+  """x [T, Hkv, D] -> the cache's dtype (scale: f32 [Hkv] or None for float caches)."""
+  if scale is None:
+    return x
+  y = x.astype(jnp.float32) / scale[None, :, None]
+  if dtype == jnp.int8:
+    return jnp.clip(jnp.round(y), -_INT8_MAX, _INT8_MAX).astype(jnp.int8)
+  return jnp.clip(y, -_FP8_E4M3_MAX, _FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
+
+
+def write_kv_cache(k_pages, v_pages, new_k, new_v, slot_mapping, *, k_scale=None,
+                   v_scale=None):
+  """Writes new keys / values into their cache slots: (k_pages, v_pages) updated.
+
+  Args:
+    k_pages, v_pages: [Hkv, num_pages, page_size, D]: the caches.
+    new_k, new_v: [T, Hkv, D]: the cache's dtype for float caches (no silent casts);
+      float32 / bfloat16 for int8 / float8_e4m3fn caches, quantized here with the scales:
+      int8 = clip(round(x / scale), -127, 127), fp8 = e4m3(clip(x / scale, -448, 448)).
+    slot_mapping: [T] int32: token t goes to slot page_id * page_size + offset; a
+      negative slot skips the token (padding). Slots past the cache are dropped (and
+      refused by the torch op's checks).
+    k_scale, v_scale: a float or an [Hkv] array, for quantized caches only.
+
+  Functional in JAX. Under `jax.jit(..., donate_argnums=(0, 1))` XLA aliases the
+  caches' buffers to the results, so on a TPU the write happens in place.
+  """
+  if new_k.ndim != 3 or new_k.shape != new_v.shape:
+    raise ValueError(f"new_k and new_v must both be [tokens, num_kv_heads, head_dim], got "
+                     f"{new_k.shape} and {new_v.shape}")
+  quantized = _check_cache(k_pages, v_pages, new_k.shape[2], k_scale, v_scale, "new_k")
+  num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+  if new_k.shape[1] != num_kv_heads:
+    raise ValueError(f"new_k has {new_k.shape[1]} KV heads, the cache {num_kv_heads}")
+  if slot_mapping.shape != (new_k.shape[0],) or not jnp.issubdtype(slot_mapping.dtype,
+                                                                  jnp.integer):
+    raise ValueError(f"slot_mapping must be integers of shape ({new_k.shape[0]},), got "
+                     f"{slot_mapping.shape} {slot_mapping.dtype}")
+  for name, a in (("new_k", new_k), ("new_v", new_v)):
+    if quantized and a.dtype not in FLOAT_DTYPES:
+      raise TypeError(f"{name} must be float32 or bfloat16 for a quantized cache, got {a.dtype}")
+    if not quantized and a.dtype != k_pages.dtype:
+      raise TypeError(f"{name} must have the cache's dtype {k_pages.dtype}, got {a.dtype}; "
+                      f"no silent casts")
+  num_slots = num_pages * page_size
+  slots = slot_mapping.astype(jnp.int32)
+  slots = jnp.where(slots < 0, num_slots, slots)          # out of range: dropped below
+
+  def put(cache, new, scale):
+    if scale is not None:
+      scale = _scales(scale, num_kv_heads, "scale")
+    values = _quantize(new, cache.dtype, scale).transpose(1, 0, 2)    # [Hkv, T, D]
+    flat = cache.reshape(num_kv_heads, num_slots, head_dim)
+    return flat.at[:, slots].set(values, mode="drop").reshape(cache.shape)
+
+  return put(k_pages, new_k, k_scale), put(v_pages, new_v, v_scale)
+
+
+def check_slots(slot_mapping, *, num_pages: int, page_size: int) -> None:
+  """Concrete slot_mapping check: every slot is negative (skipped) or in the cache."""
+  slots = np.asarray(slot_mapping)
+  bad = slots >= num_pages * page_size
+  if bad.any():
+    t = int(np.argmax(bad))
+    raise ValueError(f"slot_mapping[{t}]={slots[t]} is past the cache's "
+                     f"{num_pages * page_size} slots")
+
+
+# ----------------------------------------------------------------------------- XLA baseline
+
+
+def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *,
+                        sm_scale=None, soft_cap=None, sliding_window=None, sinks=None,
+                        k_scale=None, v_scale=None):
+  """The same attention in plain XLA (f32 math; gathers every sequence's pages, so
+  O(S * pages_per_seq * page_size) memory): the baseline the benchmarks compare against."""
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  num_seqs, pages_per_seq = page_indices.shape
+  group = num_q_heads // num_kv_heads
+  scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+  table = jnp.clip(page_indices, 0, num_pages - 1)
+
+  def dequant(pages, s):
+    x = pages.astype(jnp.float32)
+    if s is not None:
+      x = x * _scales(s, num_kv_heads, "scale")[:, None, None, None]
+    return x[:, table].reshape(num_kv_heads, num_seqs, pages_per_seq * page_size, head_dim)
+
+  k, v = dequant(k_pages, k_scale), dequant(v_pages, v_scale)     # [Hkv, S, L, D]
+  cu = cu_q_lens.astype(jnp.int32)
+  tokens = jnp.arange(num_tokens)
+  valid = tokens < cu[-1]
+  seq = jnp.minimum(jnp.searchsorted(cu[1:], tokens, side="right"), num_seqs - 1)
+  q_pos = kv_lens[seq] - (cu[seq + 1] - cu[seq]) + (tokens - cu[seq])
+  k_tok, v_tok = k[:, seq], v[:, seq]                              # [Hkv, T, L, D]
+  qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+  s = jnp.einsum("thgd,htld->thgl", qf, k_tok, precision=lax.Precision.HIGHEST) * scale
+  if soft_cap is not None:
+    s = soft_cap * jnp.tanh(s / soft_cap)
+  key = jnp.arange(pages_per_seq * page_size)[None, :]
+  visible = (key <= q_pos[:, None]) & (key < kv_lens[seq][:, None])
+  if sliding_window is not None:
+    visible &= q_pos[:, None] - key < sliding_window
+  visible = visible[:, None, None, :]
+  s = jnp.where(visible, s, -jnp.inf)
+  m = jnp.max(s, axis=-1)
+  if sinks is not None:
+    m = jnp.maximum(m, sinks.astype(jnp.float32).reshape(num_kv_heads, group))
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.where(visible, jnp.exp(s - m[..., None]), 0.0)
+  denom = jnp.sum(p, axis=-1)
+  if sinks is not None:
+    denom = denom + jnp.exp(sinks.astype(jnp.float32).reshape(num_kv_heads, group) - m)
+  v_tok = jnp.where(jnp.isfinite(v_tok), v_tok, 0.0)
+  out = jnp.einsum("thgl,htld->thgd", p, v_tok, precision=lax.Precision.HIGHEST)
+  out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
+  out = jnp.where(valid[:, None, None, None], out, 0.0)
+  return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
