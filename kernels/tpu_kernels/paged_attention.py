@@ -135,12 +135,14 @@ def _default_block_q(num_tokens: int, num_seqs: int, group: int, chip: chips.Chi
 def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: int,
                  head_dim: int, *, group: int, q_dtype, kv_dtype,
                  chip: str = chips.DEFAULT_CHIP, block_q: int | None = None,
-                 block_kv: int | None = None, vmem_limit_bytes: int | None = None) -> Tiling:
+                 block_kv: int | None = None, items_per_call: int | None = None,
+                 vmem_limit_bytes: int | None = None) -> Tiling:
   """Tiles for one call shape from the chip's VMEM and SMEM budgets.
 
   block_kv: the largest candidate (a multiple of page_size, at most 64 pages, no longer
   than a sequence's pages) whose plan fits the VMEM budget. items_per_call: all items
-  when their tables fit the SMEM budget, else as many as fit.
+  when their tables fit the SMEM budget, else as many as fit (an explicit items_per_call
+  may only lower that).
   """
   chip_ = chips.get_chip(chip)
   if block_q is None:
@@ -176,12 +178,18 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
   per_item = pages_per_seq + len(_ITEM_FIELDS)
   items = num_work_items(num_tokens, num_seqs, block_q)
   if min(items, num_seqs) * pages_per_seq + len(_ITEM_FIELDS) * items <= words:
-    items_per_call = items
+    items_per_call_fit = items
   else:
-    items_per_call = words // per_item
-    if items_per_call < 1:
+    items_per_call_fit = words // per_item
+    if items_per_call_fit < 1:
       raise ValueError(f"a page table row of {pages_per_seq} pages does not fit {chip_.name}'s "
                        f"SMEM budget ({words} words); use larger pages")
+  if items_per_call is not None:
+    if not isinstance(items_per_call, (int, np.integer)) or items_per_call < 1:
+      raise ValueError(f"items_per_call must be an int >= 1, got {items_per_call!r}")
+    items_per_call = min(int(items_per_call), items_per_call_fit)
+  else:
+    items_per_call = items_per_call_fit
   smem = min(items_per_call, num_seqs) * pages_per_seq + len(_ITEM_FIELDS) * items_per_call
   return Tiling(block_q, block_kv, block_kv // page_size, items_per_call, limit, needed, smem)
 
@@ -525,8 +533,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
                            sm_scale: float | None = None, soft_cap: float | None = None,
                            sliding_window: int | None = None, sinks=None, k_scale=None,
                            v_scale=None, chip: str | None = None, block_q: int | None = None,
-                           block_kv: int | None = None, vmem_limit_bytes: int | None = None,
-                           interpret: bool = False):
+                           block_kv: int | None = None, items_per_call: int | None = None,
+                           vmem_limit_bytes: int | None = None, interpret: bool = False):
   """Attention of packed new tokens over a paged KV cache (math in the module docstring).
 
   Args:
@@ -544,7 +552,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     sinks: [Hq] float32 or bfloat16: one learned logit per query head (gpt-oss).
     k_scale, v_scale: for quantized caches: a float or an [Hkv] array (per KV head).
     chip: tiles and VMEM / SMEM budgets for "v5e", "v6e", "v5p" or "v7" (default v6e).
-    block_q, block_kv, vmem_limit_bytes: override the tiling (`paged_tiling`).
+    block_q, block_kv, items_per_call, vmem_limit_bytes: override the tiling
+      (`paged_tiling`).
     interpret: run in Pallas interpret mode (CPU).
 
   Index inputs are checked (`check_indices`) when they are concrete; under jit they
@@ -565,7 +574,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
   chip = chips.DEFAULT_CHIP if chip is None else chip
   t = paged_tiling(num_tokens, num_seqs, pages_per_seq, page_size, head_dim, group=group,
                    q_dtype=q.dtype, kv_dtype=k_pages.dtype, chip=chip, block_q=block_q,
-                   block_kv=block_kv, vmem_limit_bytes=vmem_limit_bytes)
+                   block_kv=block_kv, items_per_call=items_per_call,
+                   vmem_limit_bytes=vmem_limit_bytes)
   st = _Static(
       sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),
       soft_cap=None if soft_cap is None else float(soft_cap),
