@@ -42,8 +42,11 @@ running max / sum (lane-replicated) and accumulator in VMEM.
 Skipping. Each item needs only the keys from its first query's window start (0 without
 a window) to its last query's position. Steps past that range repeat the last block's
 page indices, so Pallas issues no DMA for them and the body is skipped; pages before the
-window are never read, and pages past the sequence's last needed one are clamped to it
-(so the page table's unused entries, which may hold anything, are never read).
+window are never read. In the last block, a page slot past the item's last page keeps
+the page it held one step earlier (again no DMA; on the item's first block it takes the
+last page). So the page table's unused entries, which may hold anything, are never
+read, and only the item's pages cross HBM (plus, at most, repeats within a first block).
+Keys in slots that hold a repeated page are masked by position.
 
 SMEM. The per-item tables and the page table rows are scalar-prefetched. A whole page
 table (S * pages_per_seq words) overflows SMEM (1 MiB) at long contexts and big batches,
@@ -371,7 +374,11 @@ def _call(items, table, scales, q_items, sink_rows, k_pages, v_pages, st: _Stati
     def index_map(w, h, t, seq, rows, q_pos, kv_len, first_block, last_block, first_page,
                   last_page, table, scales):
       block = jnp.minimum(first_block[w] + t, last_block[w])
-      page = jnp.clip(block * n + i, first_page[w], last_page[w])
+      page = block * n + i
+      # Past the item's last page: the page this spec fetched one step earlier (the same
+      # index, so no DMA), or the last page on the item's first step.
+      page = jnp.where((page > last_page[w]) & (block > first_block[w]), page - n, page)
+      page = jnp.clip(page, first_page[w], last_page[w])
       return h, table[seq[w] * st.pages_per_seq + page], 0, 0
     return index_map
 
