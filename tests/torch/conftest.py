@@ -83,3 +83,17 @@ def flash(local_kernels_env, repo_id):
 def flash_ops(flash):
   """The custom ops of the loaded flash-attention-tpu build (for opcheck)."""
   return sys.modules[f"{flash.__name__}._custom_ops"]
+
+
+@pytest.fixture(scope="session")
+def paged(local_kernels_env, repo_id):
+  """The paged-attention-tpu kernel, loaded as a user would: get_kernel(repo, version=1)."""
+  from kernels import get_kernel
+
+  return get_kernel(repo_id("paged-attention-tpu"), version=1)
+
+
+@pytest.fixture(scope="session")
+def paged_ops(paged):
+  """The custom ops of the loaded paged-attention-tpu build (for opcheck)."""
+  return sys.modules[f"{paged.__name__}._custom_ops"]
