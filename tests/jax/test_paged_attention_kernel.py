@@ -152,7 +152,7 @@ def _options(p):
 
 def _run(p, x):
   static = {**_options(p), "chip": p["chip"], "block_q": p["block_q"],
-            "block_kv": p["block_kv"]}
+            "block_kv": p["block_kv"], "items_per_call": p.get("items_per_call")}
   scales = {}
   for name in ("k_scale", "v_scale"):
     if isinstance(x[name], float):
@@ -210,9 +210,12 @@ def sequences(draw, kv_lens=KV_LENS, max_seqs=4):
 
 @st.composite
 def problems(draw, page_sizes=PAGE_SIZES, head_dims=(64, 64, 128), kv_lens=KV_LENS,
-             blocks_q=(None,), pages_per_block=(None,), windows=None, quantized=0.3):
+             blocks_q=(None,), pages_per_block=(None,), items_per_call=(None,),
+             windows=None, quantized=0.3):
   """blocks_q: block_q choices (None: the tiling's); pages_per_block: block_kv choices in
-  pages (None: the tiling's)."""
+  pages (None: the tiling's); items_per_call: work items per kernel call (None: all that
+  fit SMEM; small values split the batch into several calls, each with its own rows of
+  the page table)."""
   kv, ql, kinds = draw(sequences(kv_lens))
   page_size = draw(st.sampled_from(page_sizes))
   num_kv_heads = draw(st.sampled_from([1, 2]))
@@ -243,6 +246,7 @@ def problems(draw, page_sizes=PAGE_SIZES, head_dims=(64, 64, 128), kv_lens=KV_LE
       block_q=draw(st.sampled_from(blocks_q)),
       block_kv=(None if (n := draw(st.sampled_from(pages_per_block))) is None
                 else n * page_size),
+      items_per_call=draw(st.sampled_from(items_per_call)),
       seed=draw(st.integers(0, 2**31 - 1)))
 
 
@@ -267,12 +271,15 @@ def test_matches_reference(p):
 @settings(max_examples=_examples(0.6))
 @given(problems(page_sizes=[16, 32], head_dims=[64], kv_lens=[5, 17, 40, 64, 100, 130],
                 blocks_q=(None, 1, 2, 4, 16), pages_per_block=(None, 1, 1, 2),
+                items_per_call=(None, None, 1, 2, 3),
                 windows=st.sampled_from([1, 2, 3, 8, 15, 16, 17, 31, 33, 50])))
 def test_small_blocks_match_reference(p):
-  """Small explicit block_q / block_kv: several kv steps per sequence, query blocks
-  straddling sequences, windows narrower than a page (pages outside the window skipped)."""
+  """Small explicit block_q / block_kv: several work items per sequence and kv steps per
+  item, windows narrower than a page (pages outside the window skipped), and the batch
+  split over several kernel calls (items_per_call)."""
   _events(p)
-  event(f"block_q {p['block_q']}, block_kv {p['block_kv']}")
+  event(f"block_q {p['block_q']}, block_kv {p['block_kv']}, "
+        f"items_per_call {p['items_per_call']}")
   x = _inputs(p)
   _check(p, x, _run(p, x))
 
