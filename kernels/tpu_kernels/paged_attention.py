@@ -60,8 +60,9 @@ kernel (both fit bf16 exactly), and their per-KV-head scales applied to the f32 
 and output: the cache is read at 1 byte per element. Float caches must have q's dtype:
 no silent down-casts.
 
-Cache slots past a sequence's length may hold anything (even NaN): keys past the length
-are masked, and the values there are zeroed before the p @ v product.
+Cache slots past a sequence's length may hold anything (even NaN): keys outside the
+item's [first key, last key] are masked, and their values zeroed before the p @ v product
+(a slot holding a repeated page, or the tail of the last page, is such a key).
 """
 
 from __future__ import annotations
@@ -318,11 +319,17 @@ def _kernel(*refs, st: _Static):
     k = jnp.concatenate([r[...].astype(dtype) for r in k_refs], axis=0)   # (bkv, D)
     v = jnp.concatenate([r[...].astype(dtype) for r in v_refs], axis=0)
     kv_len = kv_len_ref[item]
+    q_pos0 = q_pos_ref[item]
     key0 = block * bkv
-    # Values past the sequence's length may be garbage (NaN): p = 0 there, but 0 * NaN
-    # is NaN, so they are zeroed.
+    # Only keys in [first_key, last_key] are visible to any row of the item. Slots
+    # outside hold a repeated page or cache slots past the sequence's length, which may
+    # be garbage (NaN): p = 0 there, but 0 * NaN is NaN, so their values are zeroed.
+    last_key = q_pos0 + rows_ref[item] - 1
     key_rows = key0 + lax.broadcasted_iota(jnp.int32, (bkv, head_dim), 0)
-    v = jnp.where(key_rows < kv_len, v, jnp.zeros_like(v))
+    needed = key_rows <= last_key
+    if st.sliding_window is not None:
+      needed = needed & (key_rows > q_pos0 - st.sliding_window)
+    v = jnp.where(needed, v, jnp.zeros_like(v))
     s = lax.dot_general(q_ref[...], k, _NT, preferred_element_type=jnp.float32)
     scale = st.sm_scale * scales_ref[0, head] if st.quantized else st.sm_scale
     s = s * scale
@@ -330,7 +337,7 @@ def _kernel(*refs, st: _Static):
       s = st.soft_cap * jnp.tanh(s * (1.0 / st.soft_cap))
     row = lax.broadcasted_iota(jnp.int32, (num_rows, bkv), 0)
     token = row & (st.block_q - 1) if st.block_q > 1 else jnp.zeros_like(row)
-    q_pos = q_pos_ref[item] + token
+    q_pos = q_pos0 + token
     key = key0 + lax.broadcasted_iota(jnp.int32, (num_rows, bkv), 1)
     visible = key <= jnp.minimum(q_pos, kv_len - 1)
     if st.sliding_window is not None:

@@ -143,9 +143,6 @@ def _case(dtype=torch.float32, cache_dtype=None, seed=0, layout=LAYOUT, garbage=
 # starts inside a block fetches, for the block's pages before the window, the window's
 # first page instead (index map clipped to first_page), and zeroes V only past kv_len, so
 # that page's NaN slots past kv_len reach p @ V as 0 * NaN. Finite garbage is exact.
-WINDOW_NAN_BUG = pytest.mark.xfail(
-    strict=True, reason="kernel: NaN in V slots past kv_len leaks with a sliding window")
-
 CASES = {
     "mixed_f32": dict(),
     "window_cap_sinks_scale_f32": dict(sliding_window=5, soft_cap=2.0, sinks=True, sm_scale=0.3),
@@ -158,9 +155,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=WINDOW_NAN_BUG) if n == "window_cap_sinks_scale_f32" else n
-    for n in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_attention_matches_float64_reference(paged, name):
   case = dict(CASES[name])
   dtype = case.pop("dtype", torch.float32)
