@@ -26,13 +26,12 @@ than v5e). The compiles of all selected tests are queued at once on up to two wo
 processes (libtpu's compile is single-threaded; the test run itself is serial).
 """
 
-import concurrent.futures
-import multiprocessing
-import os
 import re
 
 import jax
 import pytest
+
+from aot_pool import compile_pool
 
 from flash_attention_cases import (AOT_CHIPS, FEATURE_CONFIGS, HEAD_DIMS, SEQ_LENS, Program,
                                    compile_case, default_config, default_programs,
@@ -79,14 +78,10 @@ def _programs(kind, head_dim):
 def compiles(request):
   """Every compile of the selected tests (after -k / -m), submitted at once to spawned
   workers, in test order: both workers stay busy across tests instead of idling at the
-  end of each test's 3 or 4 programs. Each worker loads its own libtpu;
-  ALLOW_MULTIPLE_LIBTPU_LOAD=1 is set by conftest and inherited, as are
-  JAX_PLATFORMS=cpu and sys.path. -> {group: [(program, future of its CompileReport)]}"""
+  end of each test's 3 or 4 programs (tests/jax/aot_pool.py). -> {group: [(program, future of its CompileReport)]}"""
   groups = [g for item in request.session.items
             if getattr(item, "module", None) is request.module and (g := _group(item))]
-  workers = max(1, min(2, os.cpu_count() or 1))
-  with concurrent.futures.ProcessPoolExecutor(
-      workers, mp_context=multiprocessing.get_context("spawn")) as executor:
+  with compile_pool() as executor:
     futures = {g: [(p, executor.submit(compile_case, p, g[2])) for p in _programs(*g[:2])]
                for g in dict.fromkeys(groups)}
     yield futures

@@ -27,13 +27,12 @@ interleaved gate/up is the slowest), spread over up to two worker processes (lib
 compile is single-threaded; the test run itself is serial).
 """
 
-import concurrent.futures
-import multiprocessing
-import os
 import re
 
 import jax
 import pytest
+
+from aot_pool import compile_pool
 
 from ragged_dot_cases import (AOT_CHIPS, MODELS, QUANT_M, ROWS, compile_case, model_programs,
                               quantized_programs)
@@ -63,11 +62,8 @@ def _check(program, report, chip):
 
 @pytest.fixture(scope="module")
 def pool():
-  """Compiles in spawned workers (each loads its own libtpu; ALLOW_MULTIPLE_LIBTPU_LOAD=1
-  is set by conftest and inherited, as are JAX_PLATFORMS=cpu and sys.path)."""
-  workers = max(1, min(2, os.cpu_count() or 1))
-  with concurrent.futures.ProcessPoolExecutor(
-      workers, mp_context=multiprocessing.get_context("spawn")) as executor:
+  """Compiles in spawned workers (tests/jax/aot_pool.py)."""
+  with compile_pool() as executor:
     yield executor
 
 
