@@ -1,0 +1,112 @@
+"""Every default paged-attention configuration compiles ahead of time for v5e and v6e.
+
+The matrix (scripts/paged_attention_cases.py): decode at batch {1, 64, 256} x context
+{2k, 32k, 128k} x heads {32/8, 64/8, 16/1} x head_dim {64, 128, 256}, page size 16, bf16;
+plus feature programs (mixed prefill + decode with window / soft-cap / sinks, prefill
+only, int8 and fp8 caches, page size 256, f32). Each program is compiled by libtpu
+(Mosaic, then LLO), which rejects illegal blocks and VMEM or SMEM overflow. Checked per
+program: it compiles; it holds exactly one Mosaic kernel, `ragged_paged_attention`
+(the SMEM-chunked cases run that one kernel in a loop); it compiled under the scoped-VMEM
+limit `paged_tiling` asked for, within the chip's allowance; the tiling's VMEM plan and
+SMEM tables fit their budgets. Each tiling is written to the test report.
+
+One test per (heads, head_dim, chip) checks the 9 (batch, context) programs, 1-8 s of
+compile each; all compiles are queued at once on the shared two-worker pool.
+"""
+
+import pytest
+
+from aot_pool import compile_pool
+from paged_attention_cases import (AOT_CHIPS, BATCHES, CONTEXTS, FEATURE_CONFIGS, HEAD_DIMS,
+                                   HEADS, compile_case, default_programs, feature_programs)
+from tpu_kernels import chips, paged_attention as PA, vmem
+
+pytestmark = pytest.mark.aot
+
+
+def _check(program, report, chip):
+  what = f"{program.label} on {chip}"
+  assert report.ok, f"{what}: {report.error}"
+  assert report.num_kernels == 1 and PA.KERNEL_NAME in report.kernel_names[0], (
+      f"{what}: Mosaic kernels {report.kernel_names}")
+  t = program.tiling(chip)
+  assert report.scoped_vmem_bytes == t.vmem_limit_bytes, (
+      f"{what}: compiled under {report.scoped_vmem_bytes} bytes of scoped VMEM, "
+      f"paged_tiling asked for {t.vmem_limit_bytes}")
+  chip_ = chips.get_chip(chip)
+  assert report.scoped_vmem_bytes <= chip_.max_vmem_limit_bytes, what
+  assert t.vmem_plan_bytes <= t.vmem_limit_bytes, f"{what}: {t}"
+  assert t.smem_plan_words <= vmem.smem_budget_words(chip_), f"{what}: {t}"
+
+
+def _group(item):
+  params = getattr(getattr(item, "callspec", None), "params", {})
+  if "chip" not in params:
+    return None
+  if "head_dim" in params:
+    return ("default", params["heads"], params["head_dim"], params["chip"])
+  return ("features", None, None, params["chip"])
+
+
+def _programs(kind, heads, head_dim):
+  return default_programs(heads, head_dim) if kind == "default" else feature_programs()
+
+
+@pytest.fixture(scope="module")
+def compiles(request):
+  """Every compile of the selected tests, queued at once -> {group: [(program, future)]}."""
+  groups = [g for item in request.session.items
+            if getattr(item, "module", None) is request.module and (g := _group(item))]
+  with compile_pool() as executor:
+    yield {g: [(p, executor.submit(compile_case, p, g[3])) for p in _programs(*g[:3])]
+           for g in dict.fromkeys(groups)}
+
+
+def _compile_and_check(compiles, group, record_property):
+  chip = group[3]
+  failures = []
+  assert compiles[group], group
+  for program, future in compiles[group]:
+    report = future.result()
+    record_property(f"{program.label} {chip}", program.plan(chip))
+    try:
+      _check(program, report, chip)
+    except AssertionError as e:   # survey the whole matrix, then fail with every case
+      failures.append(str(e))
+  assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}-{h[1]}")
+def test_decode_defaults_compile(compiles, heads, head_dim, chip, record_property):
+  """Batch {1, 64, 256} x context {2k, 32k, 128k}, page size 16, bf16."""
+  group = ("default", heads, head_dim, chip)
+  assert [(p.config.batch, p.config.context) for p, _ in compiles[group]] == [
+      (b, c) for b in BATCHES for c in CONTEXTS]
+  _compile_and_check(compiles, group, record_property)
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+def test_feature_programs_compile(compiles, chip, record_property):
+  """Mixed batch with window / soft-cap / sinks, prefill, int8, fp8, page 256, f32."""
+  group = ("features", None, None, chip)
+  assert [p.config.name for p, _ in compiles[group]] == list(FEATURE_CONFIGS)
+  _compile_and_check(compiles, group, record_property)
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+def test_big_batches_take_the_smem_chunked_path(chip):
+  """The page table of 256 sequences x 128k tokens in pages of 16 (2 Mi words) is 8x
+  SMEM: the tiling splits the items into chunks whose page-table rows fit the budget,
+  while a small batch stays one chunk. (The compile of both is in the matrix above.)"""
+  big, small = (default_programs((32, 8), 128)[i] for i in (-1, 0))
+  assert (big.config.batch, big.config.context) == (256, 131072)
+  t = big.tiling(chip)
+  items = PA.num_work_items(big.config.num_tokens, big.config.batch, t.block_q)
+  assert big.config.batch * big.config.pages_per_seq * 4 > chips.get_chip(chip).smem_bytes
+  assert t.items_per_call < items
+  assert t.smem_plan_words <= vmem.smem_budget_words(chips.get_chip(chip))
+  ts = small.tiling(chip)
+  assert ts.items_per_call == PA.num_work_items(small.config.num_tokens, small.config.batch,
+                                                ts.block_q)
