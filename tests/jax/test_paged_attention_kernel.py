@@ -383,6 +383,19 @@ def test_decode_batch_and_prefill_agree():
   ref.assert_close(out, full[last], ref.PAGED_TOLERANCE["float32"], "decode vs prefill")
 
 
+def test_eager_call_checks_indices_and_matches_jit():
+  """Outside jit the index inputs are concrete: check_indices runs (junk past the used
+  pages passes it) and the result is the jitted one, bit for bit."""
+  p = _problem(sinks="normal", sliding_window=21)
+  x = _inputs(p)
+  names = ("q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens")
+  out = pa.ragged_paged_attention(*(jnp.asarray(x[n]) for n in names),
+                                  sinks=jnp.asarray(x["sinks"]), interpret=True,
+                                  **_options(p))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(_run(p, x)))
+  _check(p, x, out)
+
+
 def test_all_sequences_empty():
   """Only padding: every output token is exactly 0."""
   p = _problem(kv_lens=[0, 5, 0], q_lens=[0, 0, 0], pad_tokens=8)
@@ -529,6 +542,10 @@ BAD_INPUTS = {
     "kv_lens_vs_page_indices": (_bad(kv_lens=(5, 6)), r"kv_lens|page_indices"),
     "cu_q_lens_length": (_bad(cu_q_lens=(0, 3, 4)), "cu_q_lens"),
     "page_indices_1d": (_bad(page_indices=(0, 1)), "page_indices"),
+    # concrete index values go through check_indices
+    "used_page_out_of_range": (_bad(kv_lens=(20,), page_indices=((0, 4),)), r"sequence 0"),
+    "q_len_over_kv_len": (_bad(kv_lens=(2,)), r"sequence 0"),
+    "cu_q_lens_past_tokens": (_bad(cu_q_lens=(0, 9)), "cu_q_lens"),
 }
 DTYPE_CASES = {"q_float16", "q_float64", "bf16_q_f32_cache", "f32_q_bf16_cache",
                "k_v_dtypes_differ", "int16_cache", "float16_cache"}
@@ -564,7 +581,7 @@ BAD_INDICES = {
 @pytest.mark.parametrize("case", BAD_INDICES)
 def test_check_indices_rejects(case):
   kv_lens, table, cu, seq = BAD_INDICES[case]
-  match = "cu_q_lens" if seq is None else rf"\b{seq}\b"
+  match = "cu_q_lens" if seq is None else rf"sequence {seq}\b"
   with pytest.raises(ValueError, match=match):
     _check_indices(kv_lens, table, cu)
 
