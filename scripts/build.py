@@ -188,7 +188,8 @@ def release_notes(hub_name: str, manifest: dict, namespace: str, commit: str | N
   repo_id = f"{collection['hub-org']}/{hub_name}"
   version = kernel["version"]
   chips = release.release_chips(hub_name, manifest)
-  source = collection.get("source-repository", "(source repository not set in build.toml)")
+  source = collection.get("source-repository",
+                          "this collection's repository (no public URL recorded yet)")
   if commit is None:
     built_from = f"{source} (not a git checkout: no commit recorded)"
   else:

@@ -100,7 +100,7 @@ def plan(hub_name: str, manifest: dict, dist: Path, remote: Remote, build_report
   branch = f"v{version}"
   folder = dist / hub_name
   files = release.tree_files(folder)
-  source = manifest["collection"].get("source-repository", "(no source-repository)")
+  source = manifest["collection"].get("source-repository", "tpu-kernels (no public URL recorded)")
   commit = build_report["source_commit"]
   calls = [Call("create_repo", dict(repo_id=rid, repo_type="kernel", exist_ok=True))]
   if remote.branches is None or branch not in remote.branches:

@@ -159,5 +159,10 @@ def test_against_a_published_copy(repo, tmp_path):
 
 
 def test_refuses_a_kernel_that_is_not_ready(repo):
-  result = _upload(repo, "paged-attention-tpu")
+  """A kernel that build.toml lists as planned (not "ready") is never uploaded."""
+  manifest = repo / "build.toml"
+  manifest.write_text(manifest.read_text() + '\n[kernel.planned-tpu]\nstatus = "planned"\n'
+                      'version = 1\nbackends = ["tpu", "cpu"]\n')
+  git(repo, "commit", "-qam", "a planned kernel")
+  result = _upload(repo, "planned-tpu")
   assert result.returncode == 1 and "not ready" in result.stdout
