@@ -1,7 +1,7 @@
 """The paged-attention (paged-attention-tpu) programs compiled ahead of time at serving shapes.
 
 Shared by tests/jax/test_paged_attention_aot.py and scripts/aot_summary.py (one definition
-of the matrix). Layout: q [T, Hq, D], k / v pages [Hkv, num_pages, page_size, D], bf16.
+of the matrix). Layout: q [T, Hq, D], k / v pages [num_pages, Hkv, page_size, D], bf16.
 
   * Defaults (decode: one new token per sequence, page size 16, the smallest vLLM uses):
     batch S in {1, 64, 256} x context in {2k, 32k, 128k} x heads Hq / Hkv in {32 / 8
@@ -133,7 +133,7 @@ class Program:
   def specs(self, chip: str):
     c = self.config
     dt, kv_dt = jnp.dtype(c.dtype), jnp.dtype(c.cache_dtype)
-    pages = (c.kv_heads, c.num_pages(chip), c.page_size, c.head_dim)
+    pages = (c.num_pages(chip), c.kv_heads, c.page_size, c.head_dim)
     specs = [S((c.num_tokens, c.q_heads, c.head_dim), dt), S(pages, kv_dt), S(pages, kv_dt),
              S((c.batch,), jnp.int32), S((c.batch, c.pages_per_seq), jnp.int32),
              S((c.batch + 1,), jnp.int32)]
@@ -166,8 +166,9 @@ class Program:
   def tiling(self, chip: str) -> PA.Tiling:
     c = self.config
     return PA.paged_tiling(c.num_tokens, c.batch, c.pages_per_seq, c.page_size, c.head_dim,
-                           group=c.q_heads // c.kv_heads, q_dtype=jnp.dtype(c.dtype),
-                           kv_dtype=jnp.dtype(c.cache_dtype), chip=chip)
+                           num_kv_heads=c.kv_heads, group=c.q_heads // c.kv_heads,
+                           q_dtype=jnp.dtype(c.dtype), kv_dtype=jnp.dtype(c.cache_dtype),
+                           chip=chip)
 
   def plan(self, chip: str) -> str:
     t = self.tiling(chip)

@@ -510,7 +510,7 @@ def attention_mismatches(dtype, q, k, v, out, lse=None, grads=None, *, grad_out=
 # the query tokens q[cu_q_lens[s]:cu_q_lens[s+1]] (q_len[s] of them) and kv_lens[s] KV
 # tokens; its queries are the LAST q_len[s] of those, so query i of s is at position
 #   p = kv_lens[s] - q_len[s] + i.
-# KV token j of s lives at k_pages[h, page_indices[s, j // page_size], j % page_size] (the
+# KV token j of s lives at k_pages[page_indices[s, j // page_size], h, j % page_size] (the
 # same for v); only the first ceil(kv_lens[s] / page_size) entries of a page-table row are
 # used, and cache slots past kv_lens[s] are never read. For query head h (KV head h // G,
 # G = Hq / Hkv):
@@ -579,13 +579,13 @@ def gather_kv(pages, page_row, kv_len, page_size) -> np.ndarray:
   """The first kv_len tokens of one sequence, [Hkv, kv_len, D] of the cache's dtype,
   read token by token from the pages its page-table row names (unused entries of the
   row are never looked at)."""
-  pages = np.asarray(pages)
-  num_pages = pages.shape[1]
-  out = np.empty((pages.shape[0], kv_len, pages.shape[3]), pages.dtype)
+  pages = np.asarray(pages)                       # [num_pages, Hkv, page_size, D]
+  num_pages = pages.shape[0]
+  out = np.empty((pages.shape[1], kv_len, pages.shape[3]), pages.dtype)
   for j in range(kv_len):
     page = int(page_row[j // page_size])
     assert 0 <= page < num_pages, f"used page id {page} out of range"
-    out[:, j] = pages[:, page, j % page_size]
+    out[:, j] = pages[page, :, j % page_size]
   return out
 
 
@@ -605,7 +605,7 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, sm
   """out [T, Hq, D] float64 from the definition above, one sequence at a time."""
   q = f64(q)
   num_tokens, num_q_heads, head_dim = q.shape
-  num_kv_heads, _, page_size, _ = np.asarray(k_pages).shape
+  _, num_kv_heads, page_size, _ = np.asarray(k_pages).shape
   assert num_q_heads % num_kv_heads == 0
   group = num_q_heads // num_kv_heads
   kv_lens = np.asarray(kv_lens, np.int64)
@@ -671,6 +671,6 @@ def write_kv_cache(k_pages, v_pages, new_k, new_v, slot_mapping, *, k_scale=None
     for t, slot in enumerate(np.asarray(slot_mapping, np.int64)):
       if slot < 0:
         continue
-      assert slot < pages.shape[1] * page_size, f"slot {slot} out of range"
-      pages[:, slot // page_size, slot % page_size] = values[t]
+      assert slot < pages.shape[0] * page_size, f"slot {slot} out of range"
+      pages[slot // page_size, :, slot % page_size] = values[t]
   return k_pages, v_pages

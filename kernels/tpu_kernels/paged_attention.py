@@ -3,14 +3,16 @@ batches over a paged KV cache (GQA, sliding window, soft-cap, sinks, int8 / fp8 
 
 Inputs. The new tokens of S sequences are packed along one axis: q [T, Hq, D], sequence
 s owning rows cu_q_lens[s] : cu_q_lens[s + 1]. Its keys and values are in a paged cache,
-one array per K and V:
+one array per K and V, page-major:
 
-    k_pages, v_pages   [Hkv, num_pages, page_size, D]
+    k_pages, v_pages   [num_pages, Hkv, page_size, D]
 
-token j of sequence s at k_pages[h, page_indices[s, j // page_size], j % page_size]. This
-is the layout of jax's `paged_attention` (and JetStream's): one page of one KV head is a
-contiguous page_size x D run, so every page is one DMA per KV head, and a KV head's page
-serves all G = Hq / Hkv query heads of its group.
+token j of sequence s at k_pages[page_indices[s, j // page_size], h, j % page_size]. One
+page of all KV heads is one contiguous run (Hkv x page_size x D), so a page costs one DMA
+for the whole head group, whatever Hkv (jax's `paged_attention` layout, [Hkv, num_pages,
+page_size, D], needs one DMA per page and KV head: eight times as many descriptors for 8
+KV heads, each 4 KiB at page size 16). Each KV head's page serves all G = Hq / Hkv query
+heads of its group. With tensor parallelism the Hkv axis is the one to shard.
 
 Math. With q_len[s] = cu_q_lens[s+1] - cu_q_lens[s], the queries of sequence s are the
 last q_len[s] tokens of its kv_lens[s] keys (the caller writes them into the cache first,
@@ -28,16 +30,20 @@ before it. Rows of q past cu_q_lens[S] are padding and come out as zeros.
 Work items. The packed tokens are cut, in XLA, into *work items* of block_q consecutive
 tokens of one sequence (a sequence of n tokens gives ceil(n / block_q) items; at most
 min(T, ceil(T / block_q) + S) items in all, a static bound). q is gathered into
-[W, Hkv, G * block_q, D], rows ordered head-major (row r is head r // block_q, token
-r % block_q), so one item's block holds every query head of one KV head: a decode step
-of a 32/8-head model is one (4, D) block against each page, and a prefill item is a
-(G * block_q, D) block. Output blocks are gathered back to [T, Hq, D] per token.
+[W, Hkv * R, D]: per KV head, R rows (G * block_q rounded up to whole sublane tiles,
+zero-padded), ordered head-major (row r of a head's R is query head r // block_q of its
+group, token r % block_q). So one item's block holds every query head: a decode step of
+a 32/8-head model is eight (16, D) slices (4 rows used) against each page, a prefill
+item eight (G * block_q, D) slices. Output blocks are gathered back to [T, Hq, D].
 
-Grid (items, Hkv, kv steps): kv step t of an item reads pages_per_block pages, one
-BlockSpec per page of the block (the page table is scalar-prefetched, so each page's
-index map looks its page id up: `page_indices[seq, block * pages_per_block + i]`), and
-Pallas double-buffers them like any block. Online softmax over the steps, with f32
-running max / sum (lane-replicated) and accumulator in VMEM.
+Grid (items, kv steps): kv step t of an item reads pages_per_block pages, one BlockSpec
+per page slot (the page table is scalar-prefetched, so each slot's index map looks its
+page id up: `page_indices[seq, block * pages_per_block + i]`), each block one page of
+all KV heads (the cache viewed, for free, as [num_pages, Hkv * page_size, D]), and
+Pallas double-buffers them like any block. The body loops over the KV heads; online
+softmax over the steps, with f32 running max / sum (lane-replicated) and accumulator in
+VMEM. Every block is 2-D (libtpu's static estimator rates kernels with 3-D blocks at 0
+cycles).
 
 Skipping. Each item needs only the keys from its first query's window start (0 without
 a window) to its last query's position. Steps past that range repeat the last block's
@@ -79,6 +85,7 @@ from jax.experimental.pallas import tpu as pltpu
 import numpy as np
 
 from . import chips
+from . import paged_attention_tuned
 from . import vmem
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -99,6 +106,8 @@ _ITEM_FIELDS = ("seq", "rows", "q_pos", "kv_len", "first_block", "last_block", "
 # More BlockSpecs per step lengthen compiles for no gain once a step moves enough bytes.
 _MAX_PAGES_PER_BLOCK = 64
 _BLOCK_KV_CANDIDATES = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
+# KV heads per step up to this are unrolled (straight-line code); more run as a loop.
+_UNROLL_HEADS = 8
 
 
 # ----------------------------------------------------------------------------- tiling
@@ -107,6 +116,7 @@ _BLOCK_KV_CANDIDATES = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
 @dataclasses.dataclass(frozen=True)
 class Tiling:
   block_q: int            # tokens of one sequence per work item (a power of two)
+  rows: int               # q rows per KV head in a block: G * block_q, sublane-padded
   block_kv: int           # keys per kv step = pages_per_block * page_size
   pages_per_block: int
   items_per_call: int     # work items per pallas_call (bounds the SMEM tables)
@@ -115,13 +125,14 @@ class Tiling:
   smem_plan_words: int    # scalar-prefetched words per call
 
 
-def _plan_bytes(rows, block_kv, head_dim, q_itemsize, kv_itemsize):
+def _plan_bytes(rows, block_kv, num_kv_heads, head_dim, q_itemsize, kv_itemsize):
   d = vmem.lane_padded(head_dim)
-  total = 2 * 2 * block_kv * d * kv_itemsize          # K and V pages, double-buffered
-  total += 2 * block_kv * d * q_itemsize               # the block converted to q's dtype
-  total += 2 * 2 * rows * d * q_itemsize               # q and out blocks, double-buffered
-  total += rows * d * 4 + 3 * rows * _LANES * 4        # accumulator, m, l, sinks
-  total += 3 * rows * vmem.lane_padded(block_kv) * 4   # logits, probabilities, mask
+  total = 2 * 2 * num_kv_heads * block_kv * d * kv_itemsize   # K, V pages, double-buffered
+  total += 2 * block_kv * d * q_itemsize                 # one head's block in q's dtype
+  total += 2 * 2 * num_kv_heads * rows * d * q_itemsize  # q and out blocks, double-buffered
+  total += num_kv_heads * rows * (d + 3 * _LANES) * 4    # accumulator, m, l, sinks
+  total += 4 * rows * vmem.lane_padded(block_kv) * 4     # logits, probabilities, masks
+  total += block_kv * d * 4                              # the value mask
   return total
 
 
@@ -136,29 +147,72 @@ def _default_block_q(num_tokens: int, num_seqs: int, group: int, chip: chips.Chi
   return block_q
 
 
+# ----------------------------------------------------------------------------- tuning table
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class TuningKey:
+  """The bucket of a decode call shape in the tuning table (paged_attention_tuned.py)."""
+
+  chip: str
+  kv_dtype: str       # the cache dtype's name
+  page_size: int      # exact: 16, 32, 64, 128 or 256
+  head_dim: int       # D rounded up to 64, 128 or 256
+  num_kv_heads: int   # Hkv rounded up to a power of two, 1 to 16
+
+
+TUNED_PAGE_SIZES = (16, 32, 64, 128, 256)
+_HEAD_DIM_BUCKETS = (64, 128, 256)
+_KV_HEAD_BUCKETS = (1, 2, 4, 8, 16)
+
+
+def tuning_key(chip: str, kv_dtype, page_size: int, head_dim: int,
+               num_kv_heads: int) -> TuningKey | None:
+  """The table key of a decode shape, or None outside the tuned buckets (the heuristic
+  then decides): page sizes that are not powers of two, D > 256, Hkv > 16."""
+  if page_size not in TUNED_PAGE_SIZES:
+    return None
+  d = next((b for b in _HEAD_DIM_BUCKETS if head_dim <= b), None)
+  h = next((b for b in _KV_HEAD_BUCKETS if num_kv_heads <= b), None)
+  if d is None or h is None:
+    return None
+  return TuningKey(chips.get_chip(chip).name, np.dtype(kv_dtype).name, page_size, d, h)
+
+
+def tuned_block_kv(chip: str, kv_dtype, page_size: int, head_dim: int,
+                   num_kv_heads: int) -> int | None:
+  """The table's block_kv for a decode shape, or None."""
+  key = tuning_key(chip, kv_dtype, page_size, head_dim, num_kv_heads)
+  return None if key is None else paged_attention_tuned.BLOCK_KV.get(
+      (key.chip, key.kv_dtype, key.page_size, key.head_dim, key.num_kv_heads))
+
+
 def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: int,
-                 head_dim: int, *, group: int, q_dtype, kv_dtype,
+                 head_dim: int, *, num_kv_heads: int, group: int, q_dtype, kv_dtype,
                  chip: str = chips.DEFAULT_CHIP, block_q: int | None = None,
                  block_kv: int | None = None, items_per_call: int | None = None,
                  vmem_limit_bytes: int | None = None) -> Tiling:
   """Tiles for one call shape from the chip's VMEM and SMEM budgets.
 
-  block_kv: the largest candidate (a multiple of page_size, at most 64 pages, no longer
-  than a sequence's pages) whose plan fits the VMEM budget. items_per_call: all items
-  when their tables fit the SMEM budget, else as many as fit (an explicit items_per_call
-  may only lower that).
+  block_q: about the mean new tokens per sequence (1 for decode), see _default_block_q.
+  block_kv: for decode (block_q 1), the tuning table's entry when it has one and it fits
+  (paged_attention_tuned.py, from libtpu's static estimates); otherwise the largest
+  candidate (a multiple of page_size, at most 64 pages, no longer than a sequence's
+  pages) whose plan fits the VMEM budget. items_per_call: all items when their tables
+  fit the SMEM budget, else as many as fit (an explicit items_per_call may only lower
+  that).
   """
   chip_ = chips.get_chip(chip)
   if block_q is None:
     block_q = _default_block_q(num_tokens, num_seqs, group, chip_)
   elif not isinstance(block_q, (int, np.integer)) or block_q < 1 or block_q & (block_q - 1):
     raise ValueError(f"block_q must be a power of two >= 1, got {block_q!r}")
-  rows = group * block_q
+  rows = vmem.round_up(group * block_q, vmem.sublane_multiple(q_dtype))
   q_itemsize, kv_itemsize = np.dtype(q_dtype).itemsize, np.dtype(kv_dtype).itemsize
   limit = vmem.resolve_vmem_limit(chip_, vmem_limit_bytes)
   budget = int(limit * vmem.BUDGET_FRACTION)
-  plan = functools.partial(_plan_bytes, rows, head_dim=head_dim, q_itemsize=q_itemsize,
-                           kv_itemsize=kv_itemsize)
+  plan = functools.partial(_plan_bytes, rows, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           q_itemsize=q_itemsize, kv_itemsize=kv_itemsize)
   if block_kv is not None:
     if (not isinstance(block_kv, (int, np.integer)) or block_kv < page_size
         or block_kv % page_size):
@@ -171,13 +225,18 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
     cands = [c for c in cands if c <= max(longest, page_size)] or [page_size]
     fitting = [c for c in cands if plan(c) <= budget]
     block_kv = fitting[0] if fitting else cands[-1]
+    tuned = tuned_block_kv(chip_.name, kv_dtype, page_size, head_dim, num_kv_heads)
+    if block_q == 1 and tuned is not None and tuned <= max(longest, page_size) \
+        and plan(tuned) <= budget:
+      block_kv = tuned
   needed = plan(block_kv)
   if needed > budget and vmem_limit_bytes is None:
     limit = vmem.round_up(int(needed / vmem.BUDGET_FRACTION), vmem.MiB)
     if limit > chip_.max_vmem_limit_bytes:
-      raise ValueError(f"paged attention with {rows} query rows per item, head_dim={head_dim}"
-                       f" and {block_kv} keys per step needs {needed} bytes of VMEM, more "
-                       f"than {chip_.name} allows; pass a smaller block_q")
+      raise ValueError(f"paged attention with {num_kv_heads} KV heads, {rows} query rows per "
+                       f"item, head_dim={head_dim} and {block_kv} keys per step needs "
+                       f"{needed} bytes of VMEM, more than {chip_.name} allows; pass a "
+                       f"smaller block_q or block_kv")
   words = vmem.smem_budget_words(chip_)
   per_item = pages_per_seq + len(_ITEM_FIELDS)
   items = num_work_items(num_tokens, num_seqs, block_q)
@@ -195,7 +254,8 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
   else:
     items_per_call = items_per_call_fit
   smem = min(items_per_call, num_seqs) * pages_per_seq + len(_ITEM_FIELDS) * items_per_call
-  return Tiling(block_q, block_kv, block_kv // page_size, items_per_call, limit, needed, smem)
+  return Tiling(block_q, rows, block_kv, block_kv // page_size, items_per_call, limit, needed,
+                smem)
 
 
 def num_work_items(num_tokens: int, num_seqs: int, block_q: int) -> int:
@@ -284,8 +344,22 @@ class _Static:
   page_size: int
   pages_per_block: int
   pages_per_seq: int
+  num_kv_heads: int
+  rows: int               # R: rows per KV head in a q block (G * block_q, sublane-padded)
   vmem_limit_bytes: int
   interpret: bool
+  # Static estimates only (benchmarks/paged_estimate.py): libtpu's estimator reads every
+  # SMEM value as 0, so with floors set each per-item value is read as max(value, floor)
+  # (_ITEM_FIELDS order). A uniform batch's floors equal its values: nothing changes on
+  # hardware, and the estimator sees the real trip counts.
+  item_floors: tuple[int, ...] | None = None
+
+
+def _item(st: _Static, ref, item, field: str):
+  value = ref[item]
+  if st.item_floors is None:
+    return value
+  return jnp.maximum(value, st.item_floors[_ITEM_FIELDS.index(field)])
 
 
 def _kernel(*refs, st: _Static):
@@ -295,8 +369,9 @@ def _kernel(*refs, st: _Static):
     sinks_ref, *refs = refs
   n = st.pages_per_block
   k_refs, v_refs, (o_ref, m_ref, l_ref, acc_ref) = refs[:n], refs[n:2 * n], refs[2 * n:]
-  item, head, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  num_rows, head_dim = acc_ref.shape
+  item, step = pl.program_id(0), pl.program_id(1)
+  head_dim = acc_ref.shape[1]
+  num_rows, num_kv_heads, ps = st.rows, st.num_kv_heads, st.page_size
   bkv = st.block_kv
   del seq_ref, table_ref
 
@@ -310,31 +385,25 @@ def _kernel(*refs, st: _Static):
       l_ref[...] = jnp.zeros_like(l_ref)
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  block = first_block_ref[item] + step
-  run = (rows_ref[item] > 0) & (block <= last_block_ref[item])
+  block = _item(st, first_block_ref, item, "first_block") + step
+  num_rows_used = _item(st, rows_ref, item, "rows")
+  run = (num_rows_used > 0) & (block <= _item(st, last_block_ref, item, "last_block"))
 
   @pl.when(run)
   def _compute():
     dtype = q_ref.dtype
-    k = jnp.concatenate([r[...].astype(dtype) for r in k_refs], axis=0)   # (bkv, D)
-    v = jnp.concatenate([r[...].astype(dtype) for r in v_refs], axis=0)
-    kv_len = kv_len_ref[item]
-    q_pos0 = q_pos_ref[item]
+    kv_len = _item(st, kv_len_ref, item, "kv_len")
+    q_pos0 = _item(st, q_pos_ref, item, "q_pos")
     key0 = block * bkv
+    # The masks are the same for every KV head: built once per step.
     # Only keys in [first_key, last_key] are visible to any row of the item. Slots
     # outside hold a repeated page or cache slots past the sequence's length, which may
     # be garbage (NaN): p = 0 there, but 0 * NaN is NaN, so their values are zeroed.
-    last_key = q_pos0 + rows_ref[item] - 1
+    last_key = q_pos0 + num_rows_used - 1
     key_rows = key0 + lax.broadcasted_iota(jnp.int32, (bkv, head_dim), 0)
     needed = key_rows <= last_key
     if st.sliding_window is not None:
       needed = needed & (key_rows > q_pos0 - st.sliding_window)
-    v = jnp.where(needed, v, jnp.zeros_like(v))
-    s = lax.dot_general(q_ref[...], k, _NT, preferred_element_type=jnp.float32)
-    scale = st.sm_scale * scales_ref[0, head] if st.quantized else st.sm_scale
-    s = s * scale
-    if st.soft_cap is not None:
-      s = st.soft_cap * jnp.tanh(s * (1.0 / st.soft_cap))
     row = lax.broadcasted_iota(jnp.int32, (num_rows, bkv), 0)
     token = row & (st.block_q - 1) if st.block_q > 1 else jnp.zeros_like(row)
     q_pos = q_pos0 + token
@@ -342,24 +411,51 @@ def _kernel(*refs, st: _Static):
     visible = key <= jnp.minimum(q_pos, kv_len - 1)
     if st.sliding_window is not None:
       visible = visible & (q_pos - key < st.sliding_window)
-    s = jnp.where(visible, s, _MASK_VALUE)
-    m_prev = m_ref[...]                                          # (rows, 128), lanes equal
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    p = jnp.where(visible, jnp.exp(s - _lanes(m_new, bkv)), 0.0)
-    alpha = jnp.exp(m_prev - m_new)
-    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-    acc_ref[...] = _lanes(alpha, head_dim) * acc_ref[...] + lax.dot_general(
-        p.astype(dtype), v, _NN, preferred_element_type=jnp.float32)
-    m_ref[...] = m_new
 
-  @pl.when(step == pl.num_programs(2) - 1)
+    def head_step(h, carry):
+      heads = _slice(h, num_rows)       # this KV head's q rows
+      page_rows = _slice(h, ps)         # its part of each page block
+      k = jnp.concatenate([r[page_rows, :].astype(dtype) for r in k_refs], axis=0)  # (bkv, D)
+      v = jnp.concatenate([r[page_rows, :].astype(dtype) for r in v_refs], axis=0)
+      v = jnp.where(needed, v, jnp.zeros_like(v))
+      s = lax.dot_general(q_ref[heads, :], k, _NT, preferred_element_type=jnp.float32)
+      s = s * (st.sm_scale * scales_ref[0, h] if st.quantized else st.sm_scale)
+      if st.soft_cap is not None:
+        s = st.soft_cap * jnp.tanh(s * (1.0 / st.soft_cap))
+      s = jnp.where(visible, s, _MASK_VALUE)
+      m_prev = m_ref[heads, :]                                  # (rows, 128), lanes equal
+      m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+      p = jnp.where(visible, jnp.exp(s - _lanes(m_new, bkv)), 0.0)
+      alpha = jnp.exp(m_prev - m_new)
+      l_ref[heads, :] = alpha * l_ref[heads, :] + jnp.sum(p, axis=1, keepdims=True)
+      acc_ref[heads, :] = _lanes(alpha, head_dim) * acc_ref[heads, :] + lax.dot_general(
+          p.astype(dtype), v, _NN, preferred_element_type=jnp.float32)
+      m_ref[heads, :] = m_new
+      return carry
+
+    if num_kv_heads <= _UNROLL_HEADS:
+      for h in range(num_kv_heads):
+        head_step(h, 0)
+    else:
+      lax.fori_loop(0, num_kv_heads, head_step, 0)
+
+  @pl.when(step == pl.num_programs(1) - 1)
   def _finish():
-    l = l_ref[...]
-    seen = l > 0.0     # false only for an empty item, whose rows are never gathered
-    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-    if st.quantized:
-      inv = inv * scales_ref[1, head]
-    o_ref[...] = (acc_ref[...] * _lanes(inv, head_dim)).astype(o_ref.dtype)
+    for h in range(num_kv_heads):
+      heads = pl.ds(h * num_rows, num_rows)
+      l = l_ref[heads, :]
+      seen = l > 0.0     # false only for an empty item, whose rows are never gathered
+      inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+      if st.quantized:
+        inv = inv * scales_ref[1, h]
+      o_ref[heads, :] = (acc_ref[heads, :] * _lanes(inv, head_dim)).astype(o_ref.dtype)
+
+
+def _slice(h, size: int):
+  """Rows [h * size, (h + 1) * size) for a static or traced h (size: whole sublane tiles)."""
+  if isinstance(h, int):
+    return pl.ds(h * size, size)
+  return pl.ds(pl.multiple_of(h * size, size), size)
 
 
 def _lanes(x, width: int):
@@ -372,45 +468,53 @@ def _lanes(x, width: int):
 
 
 def _call(items, table, scales, q_items, sink_rows, k_pages, v_pages, st: _Static):
-  """One pallas_call over `q_items` [Wc, Hkv, rows, D] -> out [Wc, Hkv, rows, D]."""
-  num_items, num_kv_heads, num_rows, head_dim = q_items.shape
+  """One pallas_call over `q_items` [Wc, Hkv * R, D] -> out [Wc, Hkv * R, D]."""
+  num_items, all_rows, head_dim = q_items.shape
   n, ps = st.pages_per_block, st.page_size
   steps = -(-st.pages_per_seq // n)
+  # A page of every KV head as one 2-D block: [num_pages, Hkv * page_size, D] (free view).
+  k_view = k_pages.reshape(k_pages.shape[0], st.num_kv_heads * ps, head_dim)
+  v_view = v_pages.reshape(k_view.shape)
 
   def page_map(i):
-    def index_map(w, h, t, seq, rows, q_pos, kv_len, first_block, last_block, first_page,
+    def index_map(w, t, seq, rows, q_pos, kv_len, first_block, last_block, first_page,
                   last_page, table, scales):
-      block = jnp.minimum(first_block[w] + t, last_block[w])
+      first_b, last_b = (_item(st, first_block, w, "first_block"),
+                         _item(st, last_block, w, "last_block"))
+      first_p, last_p = (_item(st, first_page, w, "first_page"),
+                         _item(st, last_page, w, "last_page"))
+      block = jnp.minimum(first_b + t, last_b)
       page = block * n + i
-      # Past the item's last page: the page this spec fetched one step earlier (the same
+      # Past the item's last page: the page this slot fetched one step earlier (the same
       # index, so no DMA), or the last page on the item's first step.
-      page = jnp.where((page > last_page[w]) & (block > first_block[w]), page - n, page)
-      page = jnp.clip(page, first_page[w], last_page[w])
-      return h, table[seq[w] * st.pages_per_seq + page], 0, 0
+      page = jnp.where((page > last_p) & (block > first_b), page - n, page)
+      page = jnp.clip(page, first_p, last_p)
+      return table[seq[w] * st.pages_per_seq + page], 0, 0
     return index_map
 
-  row_spec = pl.BlockSpec((None, None, num_rows, head_dim), lambda w, h, t, *_: (w, h, 0, 0))
-  page_specs = [pl.BlockSpec((None, None, ps, head_dim), page_map(i)) for i in range(n)]
+  row_spec = pl.BlockSpec((None, all_rows, head_dim), lambda w, t, *_: (w, 0, 0))
+  page_specs = [pl.BlockSpec((None, st.num_kv_heads * ps, head_dim), page_map(i))
+                for i in range(n)]
   in_specs = [row_spec]
   operands = [q_items]
   if st.has_sinks:
-    in_specs.append(pl.BlockSpec((None, num_rows, _LANES), lambda w, h, t, *_: (h, 0, 0)))
+    in_specs.append(pl.BlockSpec((all_rows, _LANES), lambda w, t, *_: (0, 0)))
     operands.append(sink_rows)
   in_specs += page_specs + page_specs
-  operands += [k_pages] * n + [v_pages] * n
+  operands += [k_view] * n + [v_view] * n
   return pl.pallas_call(
       functools.partial(_kernel, st=st),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=len(_ITEM_FIELDS) + 2,
-          grid=(num_items, num_kv_heads, steps),
+          grid=(num_items, steps),
           in_specs=in_specs,
           out_specs=row_spec,
-          scratch_shapes=[pltpu.VMEM((num_rows, _LANES), jnp.float32),
-                          pltpu.VMEM((num_rows, _LANES), jnp.float32),
-                          pltpu.VMEM((num_rows, head_dim), jnp.float32)]),
+          scratch_shapes=[pltpu.VMEM((all_rows, _LANES), jnp.float32),
+                          pltpu.VMEM((all_rows, _LANES), jnp.float32),
+                          pltpu.VMEM((all_rows, head_dim), jnp.float32)]),
       out_shape=jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary"),
+          dimension_semantics=("parallel", "arbitrary"),
           vmem_limit_bytes=st.vmem_limit_bytes),
       interpret=st.interpret,
       name=KERNEL_NAME,
@@ -437,7 +541,7 @@ def _scales(scale, num_kv_heads, name):
 
 def _check_cache(k_pages, v_pages, head_dim, k_scale, v_scale, what):
   if k_pages.ndim != 4:
-    raise ValueError(f"k_pages must be 4-D [num_kv_heads, num_pages, page_size, head_dim], "
+    raise ValueError(f"k_pages must be 4-D [num_pages, num_kv_heads, page_size, head_dim], "
                      f"got shape {k_pages.shape}")
   if k_pages.shape != v_pages.shape:
     raise ValueError(f"k_pages and v_pages must have the same shape, got {k_pages.shape} and "
@@ -445,7 +549,7 @@ def _check_cache(k_pages, v_pages, head_dim, k_scale, v_scale, what):
   if k_pages.dtype != v_pages.dtype:
     raise TypeError(f"k_pages and v_pages must have the same dtype, got {k_pages.dtype} and "
                     f"{v_pages.dtype}")
-  num_kv_heads, num_pages, page_size, cache_head_dim = k_pages.shape
+  num_pages, num_kv_heads, page_size, cache_head_dim = k_pages.shape
   if cache_head_dim != head_dim:
     raise ValueError(f"the cache's head_dim {cache_head_dim} differs from {what}'s {head_dim}")
   if page_size not in PAGE_SIZES:
@@ -513,7 +617,7 @@ def _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sliding_window
     raise TypeError(f"the cache must have q's dtype {q.dtype} or be int8 / float8_e4m3fn with "
                     f"scales, got {k_pages.dtype}; no silent casts")
   quantized = _check_cache(k_pages, v_pages, head_dim, k_scale, v_scale, "q")
-  num_kv_heads = k_pages.shape[0]
+  num_kv_heads = k_pages.shape[1]
   if num_q_heads % num_kv_heads:
     raise ValueError(f"the number of query heads ({num_q_heads}) must be a multiple of the "
                      f"number of KV heads ({num_kv_heads})")
@@ -553,7 +657,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
 
   Args:
     q: [T, Hq, D] float32 or bfloat16: the new tokens of all sequences, packed.
-    k_pages, v_pages: [Hkv, num_pages, page_size, D]: q's dtype, or int8 / float8_e4m3fn
+    k_pages, v_pages: [num_pages, Hkv, page_size, D]: q's dtype, or int8 / float8_e4m3fn
       with k_scale / v_scale. page_size a multiple of 16 from 16 to 256; Hq % Hkv == 0.
     kv_lens: [S] int32: each sequence's KV length, including its new tokens.
     page_indices: [S, pages_per_seq] int32: each sequence's page ids; entries past its
@@ -579,14 +683,15 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
   quantized = _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sliding_window,
                      soft_cap, sinks, k_scale, v_scale)
   num_tokens, num_q_heads, head_dim = q.shape
-  num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  num_pages, num_kv_heads, page_size, _ = k_pages.shape
   num_seqs, pages_per_seq = page_indices.shape
   group = num_q_heads // num_kv_heads
   if _is_concrete(kv_lens, page_indices, cu_q_lens):
     check_indices(kv_lens, page_indices, cu_q_lens, num_tokens=num_tokens,
                   num_pages=num_pages, page_size=page_size)
   chip = chips.DEFAULT_CHIP if chip is None else chip
-  t = paged_tiling(num_tokens, num_seqs, pages_per_seq, page_size, head_dim, group=group,
+  t = paged_tiling(num_tokens, num_seqs, pages_per_seq, page_size, head_dim,
+                   num_kv_heads=num_kv_heads, group=group,
                    q_dtype=q.dtype, kv_dtype=k_pages.dtype, chip=chip, block_q=block_q,
                    block_kv=block_kv, items_per_call=items_per_call,
                    vmem_limit_bytes=vmem_limit_bytes)
@@ -596,8 +701,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
       sliding_window=None if sliding_window is None else int(sliding_window),
       has_sinks=sinks is not None, quantized=quantized, block_q=t.block_q,
       block_kv=t.block_kv, page_size=page_size, pages_per_block=t.pages_per_block,
-      pages_per_seq=pages_per_seq, vmem_limit_bytes=t.vmem_limit_bytes,
-      interpret=bool(interpret))
+      pages_per_seq=pages_per_seq, num_kv_heads=num_kv_heads, rows=t.rows,
+      vmem_limit_bytes=t.vmem_limit_bytes, interpret=bool(interpret))
 
   bq, rows = t.block_q, group * t.block_q
   num_items = num_work_items(num_tokens, num_seqs, bq)
@@ -610,13 +715,16 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
   tables, items["seq"] = _chunk_page_tables(page_indices, items["seq"], t.items_per_call,
                                             num_calls, num_pages)
 
-  # q -> [W, Hkv, G * bq, D], head-major rows; rows past an item's tokens read a zero row.
+  # q -> [W, Hkv * R, D]: per KV head G * bq head-major rows, zero-padded to R; rows past
+  # an item's tokens read a zero row.
   offsets = jnp.arange(bq, dtype=jnp.int32)
   src = jnp.where(offsets[None, :] < items["rows"][:, None],
                   token_first[:, None] + offsets[None, :], num_tokens)
   q_rows = jnp.concatenate([q, jnp.zeros((1,) + q.shape[1:], q.dtype)])[src]   # [W, bq, Hq, D]
   q_items = q_rows.reshape(num_items_p, bq, num_kv_heads, group, head_dim)
   q_items = q_items.transpose(0, 2, 3, 1, 4).reshape(num_items_p, num_kv_heads, rows, head_dim)
+  q_items = jnp.pad(q_items, ((0, 0), (0, 0), (0, t.rows - rows), (0, 0)))
+  q_items = q_items.reshape(num_items_p, num_kv_heads * t.rows, head_dim)
 
   scales = jnp.zeros((2, 1), jnp.float32)
   if quantized:
@@ -625,7 +733,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
   sink_rows = None
   if sinks is not None:
     per_row = jnp.repeat(sinks.astype(jnp.float32).reshape(num_kv_heads, group), bq, axis=1)
-    sink_rows = jnp.broadcast_to(per_row[:, :, None], (num_kv_heads, rows, _LANES))
+    per_row = jnp.pad(per_row, ((0, 0), (0, t.rows - rows)))
+    sink_rows = jnp.broadcast_to(per_row.reshape(-1, 1), (num_kv_heads * t.rows, _LANES))
 
   def call(chunk):
     chunk_items, table, chunk_q = chunk
@@ -640,6 +749,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
                                split(q_items)))
     out_items = out_items.reshape((num_items_p,) + out_items.shape[2:])
   # Back to tokens: [W, Hkv, G, bq, D] -> [W, bq, Hkv, G, D], one row per token.
+  out_items = out_items.reshape(num_items_p, num_kv_heads, t.rows, head_dim)[:, :, :rows]
   out_items = out_items.reshape(num_items_p, num_kv_heads, group, bq, head_dim)
   out = out_items.transpose(0, 3, 1, 2, 4)[token_item, token_row]       # [T, Hkv, G, D]
   out = jnp.where(token_valid[:, None, None, None], out, jnp.zeros_like(out))
@@ -664,7 +774,7 @@ def write_kv_cache(k_pages, v_pages, new_k, new_v, slot_mapping, *, k_scale=None
   """Writes new keys / values into their cache slots: (k_pages, v_pages) updated.
 
   Args:
-    k_pages, v_pages: [Hkv, num_pages, page_size, D]: the caches.
+    k_pages, v_pages: [num_pages, Hkv, page_size, D]: the caches.
     new_k, new_v: [T, Hkv, D]: the cache's dtype for float caches (no silent casts);
       float32 / bfloat16 for int8 / float8_e4m3fn caches, quantized here with the scales:
       int8 = clip(round(x / scale), -127, 127), fp8 = e4m3(clip(x / scale, -448, 448)).
@@ -680,7 +790,7 @@ def write_kv_cache(k_pages, v_pages, new_k, new_v, slot_mapping, *, k_scale=None
     raise ValueError(f"new_k and new_v must both be [tokens, num_kv_heads, head_dim], got "
                      f"{new_k.shape} and {new_v.shape}")
   quantized = _check_cache(k_pages, v_pages, new_k.shape[2], k_scale, v_scale, "new_k")
-  num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
+  num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
   if new_k.shape[1] != num_kv_heads:
     raise ValueError(f"new_k has {new_k.shape[1]} KV heads, the cache {num_kv_heads}")
   if slot_mapping.shape != (new_k.shape[0],) or not jnp.issubdtype(slot_mapping.dtype,
@@ -693,16 +803,15 @@ def write_kv_cache(k_pages, v_pages, new_k, new_v, slot_mapping, *, k_scale=None
     if not quantized and a.dtype != k_pages.dtype:
       raise TypeError(f"{name} must have the cache's dtype {k_pages.dtype}, got {a.dtype}; "
                       f"no silent casts")
-  num_slots = num_pages * page_size
   slots = slot_mapping.astype(jnp.int32)
-  slots = jnp.where(slots < 0, num_slots, slots)          # out of range: dropped below
+  page = jnp.where(slots < 0, num_pages, slots // page_size)   # out of range: dropped below
+  offset = slots % page_size
 
   def put(cache, new, scale):
     if scale is not None:
       scale = _scales(scale, num_kv_heads, "scale")
-    values = _quantize(new, cache.dtype, scale).transpose(1, 0, 2)    # [Hkv, T, D]
-    flat = cache.reshape(num_kv_heads, num_slots, head_dim)
-    return flat.at[:, slots].set(values, mode="drop").reshape(cache.shape)
+    values = _quantize(new, cache.dtype, scale)                  # [T, Hkv, D]
+    return cache.at[page, :, offset].set(values, mode="drop")
 
   return put(k_pages, new_k, k_scale), put(v_pages, new_v, v_scale)
 
@@ -726,7 +835,7 @@ def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *
   """The same attention in plain XLA (f32 math; gathers every sequence's pages, so
   O(S * pages_per_seq * page_size) memory): the baseline the benchmarks compare against."""
   num_tokens, num_q_heads, head_dim = q.shape
-  num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  num_pages, num_kv_heads, page_size, _ = k_pages.shape
   num_seqs, pages_per_seq = page_indices.shape
   group = num_q_heads // num_kv_heads
   scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
@@ -735,8 +844,9 @@ def paged_attention_xla(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *
   def dequant(pages, s):
     x = pages.astype(jnp.float32)
     if s is not None:
-      x = x * _scales(s, num_kv_heads, "scale")[:, None, None, None]
-    return x[:, table].reshape(num_kv_heads, num_seqs, pages_per_seq * page_size, head_dim)
+      x = x * _scales(s, num_kv_heads, "scale")[None, :, None, None]
+    x = x[table].transpose(2, 0, 1, 3, 4)                       # [Hkv, S, P, page, D]
+    return x.reshape(num_kv_heads, num_seqs, pages_per_seq * page_size, head_dim)
 
   k, v = dequant(k_pages, k_scale), dequant(v_pages, v_scale)     # [Hkv, S, L, D]
   cu = cu_q_lens.astype(jnp.int32)

@@ -3,7 +3,8 @@
 The matrix (scripts/paged_attention_cases.py): decode at batch {1, 64, 256} x context
 {2k, 32k, 128k} x heads {32/8, 64/8, 16/1} x head_dim {64, 128, 256}, page size 16, bf16;
 plus feature programs (mixed prefill + decode with window / soft-cap / sinks, prefill
-only, int8 and fp8 caches, page size 256, f32). Each program is compiled by libtpu
+only, int8 and fp8 caches, page size 256, f32), and one decode program per entry of the
+tuning table (kernels/tpu_kernels/paged_attention_tuned.py). Each program is compiled by libtpu
 (Mosaic, then LLO), which rejects illegal blocks and VMEM or SMEM overflow. Checked per
 program: it compiles; it holds exactly one Mosaic kernel, `ragged_paged_attention`
 (the SMEM-chunked cases run that one kernel in a loop); it compiled under the scoped-VMEM
@@ -18,8 +19,9 @@ import pytest
 
 from aot_pool import compile_pool
 from paged_attention_cases import (AOT_CHIPS, BATCHES, CONTEXTS, FEATURE_CONFIGS, HEAD_DIMS,
-                                   HEADS, compile_case, default_programs, feature_programs)
-from tpu_kernels import chips, paged_attention as PA, vmem
+                                   HEADS, Config, Program, compile_case, default_programs,
+                                   feature_programs)
+from tpu_kernels import chips, paged_attention as PA, paged_attention_tuned, vmem
 
 pytestmark = pytest.mark.aot
 
@@ -39,8 +41,17 @@ def _check(program, report, chip):
   assert t.smem_plan_words <= vmem.smem_budget_words(chip_), f"{what}: {t}"
 
 
+def _tuned_program(entry) -> Program:
+  """A decode batch in the tuning-table entry's bucket (G = 4, 8192 tokens of context)."""
+  chip, kv_dtype, page_size, head_dim, kv_heads = entry
+  return Program(Config("tuned", 64, 8192, 4 * kv_heads, kv_heads, head_dim, page_size,
+                        kv_dtype=kv_dtype))
+
+
 def _group(item):
   params = getattr(getattr(item, "callspec", None), "params", {})
+  if "entry" in params:
+    return ("tuned", params["entry"], None, params["entry"][0])
   if "chip" not in params:
     return None
   if "head_dim" in params:
@@ -49,6 +60,8 @@ def _group(item):
 
 
 def _programs(kind, heads, head_dim):
+  if kind == "tuned":
+    return [_tuned_program(heads)]
   return default_programs(heads, head_dim) if kind == "default" else feature_programs()
 
 
@@ -92,6 +105,16 @@ def test_feature_programs_compile(compiles, chip, record_property):
   """Mixed batch with window / soft-cap / sinks, prefill, int8, fp8, page 256, f32."""
   group = ("features", None, None, chip)
   assert [p.config.name for p, _ in compiles[group]] == list(FEATURE_CONFIGS)
+  _compile_and_check(compiles, group, record_property)
+
+
+@pytest.mark.parametrize("entry", sorted(paged_attention_tuned.BLOCK_KV),
+                         ids=lambda e: "-".join(map(str, e)))
+def test_tuning_table_entries_compile(compiles, entry, record_property):
+  """Every entry of the tuning table compiles for its chip, and the tiling uses it."""
+  group = ("tuned", entry, None, entry[0])
+  program = compiles[group][0][0]
+  assert program.tiling(entry[0]).block_kv == paged_attention_tuned.BLOCK_KV[entry]
   _compile_and_check(compiles, group, record_property)
 
 

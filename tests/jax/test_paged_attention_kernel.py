@@ -76,10 +76,10 @@ def _layout(rng, kv_lens, page_size, pages_per_seq, share, repeat, spare_pages=2
 
 
 def _cache(rng, kv_dtype, num_kv_heads, num_pages, page_size, head_dim, used):
-  """One cache [Hkv, num_pages, page_size, D]: unit-scale values (times 1/scale for
+  """One cache [num_pages, Hkv, page_size, D]: unit-scale values (times 1/scale for
   quantized caches) in used slots, NaN (int8: -128 / 127) elsewhere."""
-  shape = (num_kv_heads, num_pages, page_size, head_dim)
-  mask = np.broadcast_to(used[None, :, :, None], shape)
+  shape = (num_pages, num_kv_heads, page_size, head_dim)
+  mask = np.broadcast_to(used[:, None, :, None], shape)
   if kv_dtype == "int8":
     values = rng.integers(-127, 128, shape).astype(np.int8)
     junk = rng.choice(np.array([-128, 127], np.int8), shape)
@@ -332,8 +332,8 @@ def test_gqa_equals_each_head_with_repeated_kv(group, num_kv_heads):
   out = _run(p, x)
   _check(p, x, out)
   mha = dict(p, group=1, num_kv_heads=num_kv_heads * group)
-  xr = dict(x, k_pages=np.repeat(x["k_pages"], group, axis=0),
-            v_pages=np.repeat(x["v_pages"], group, axis=0))
+  xr = dict(x, k_pages=np.repeat(x["k_pages"], group, axis=1),
+            v_pages=np.repeat(x["v_pages"], group, axis=1))
   ref.assert_close(out, _run(mha, xr), ref.PAGED_TOLERANCE["float32"], "gqa vs mha")
 
 
@@ -350,7 +350,7 @@ def test_window_of_one_sees_only_itself(dtype):
     for i in range(q_len):
       pos = kv_len - q_len + i
       page = x["page_indices"][s, pos // page_size]
-      v = np.repeat(x["v_pages"][:, page, pos % page_size], group, axis=0)
+      v = np.repeat(x["v_pages"][page, :, pos % page_size], group, axis=0)
       np.testing.assert_array_equal(out[cu[s] + i], v)
 
 
@@ -363,7 +363,7 @@ def test_nan_past_the_length_never_leaks(kv_len, window, block_kv):
   p = _problem(kv_lens=[kv_len], q_lens=[1], pad_tokens=1, share=False, repeat=False,
                sliding_window=window, block_kv=block_kv, extra_table=3)
   x = _inputs(p)
-  last = x["v_pages"][:, x["page_indices"][0, (kv_len - 1) // 16]]
+  last = x["v_pages"][x["page_indices"][0, (kv_len - 1) // 16]]
   filled = kv_len - 16 * ((kv_len - 1) // 16)
   assert np.isnan(last[:, filled:]).all() and not np.isnan(last[:, :filled]).any()
   _check(p, x, _run(p, x))
@@ -497,7 +497,7 @@ def test_write_then_attend():
 # ----------------------------------------------------------------------------- bad inputs
 
 
-def _bad(q_shape=(8, 4, 64), kv_shape=(2, 4, 16, 64), v_shape=None, dtype=np.float32,
+def _bad(q_shape=(8, 4, 64), kv_shape=(4, 2, 16, 64), v_shape=None, dtype=np.float32,
          k_dtype=None, v_dtype=None, kv_lens=(5,), page_indices=((0, 1),),
          cu_q_lens=(0, 3), **options):
   q = np.zeros(q_shape, dtype)
@@ -521,13 +521,13 @@ BAD_INPUTS = {
     "float16_cache": (_bad(k_dtype=np.float16), "dtype"),
     # everything else: ValueError
     "heads_not_a_multiple": (_bad(q_shape=(8, 3, 64)), "head"),
-    "k_v_shapes_differ": (_bad(v_shape=(2, 5, 16, 64)), r"v_pages|k_pages"),
-    "head_dim_differs": (_bad(kv_shape=(2, 4, 16, 32)), "head_dim|D"),
+    "k_v_shapes_differ": (_bad(v_shape=(5, 2, 16, 64)), r"v_pages|k_pages"),
+    "head_dim_differs": (_bad(kv_shape=(4, 2, 16, 32)), "head_dim|D"),
     "q_rank_4": (_bad(q_shape=(1, 8, 4, 64)), r"\bq\b"),
     "k_pages_rank_3": (_bad(kv_shape=(4, 16, 64)), "k_pages"),
-    "page_size_8": (_bad(kv_shape=(2, 4, 8, 64)), "page_size"),
-    "page_size_24": (_bad(kv_shape=(2, 4, 24, 64)), "page_size"),
-    "page_size_512": (_bad(kv_shape=(2, 4, 512, 64)), "page_size"),
+    "page_size_8": (_bad(kv_shape=(4, 2, 8, 64)), "page_size"),
+    "page_size_24": (_bad(kv_shape=(4, 2, 24, 64)), "page_size"),
+    "page_size_512": (_bad(kv_shape=(4, 2, 512, 64)), "page_size"),
     "window_0": (_bad(sliding_window=0), "sliding_window"),
     "window_negative": (_bad(sliding_window=-3), "sliding_window"),
     "soft_cap_0": (_bad(soft_cap=0.0), "soft_cap"),
@@ -593,7 +593,7 @@ def test_check_indices_accepts_junk_past_used_pages():
 
 
 def test_write_kv_cache_dtype_and_slot_errors():
-  k = jnp.zeros((2, 4, 16, 64), jnp.bfloat16)
+  k = jnp.zeros((4, 2, 16, 64), jnp.bfloat16)
   new = jnp.zeros((3, 2, 64), jnp.float32)
   with pytest.raises(TypeError, match="dtype"):
     pa.write_kv_cache(k, k, new, new, jnp.array([0, 1, 2], jnp.int32))

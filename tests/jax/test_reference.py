@@ -367,7 +367,7 @@ def _paged_problem(seed, kv_lens, q_lens, *, num_kv_heads=2, group=2, head_dim=8
   pages_per_seq = pages_per_seq or max(max(need), 1) + 1
   num_pages = sum(need) + extra_pages
   ids = rng.permutation(num_pages) if shuffle else np.arange(num_pages)
-  k_pages = np.full((num_kv_heads, num_pages, page_size, head_dim), np.nan)
+  k_pages = np.full((num_pages, num_kv_heads, page_size, head_dim), np.nan)
   v_pages = np.full_like(k_pages, np.nan)
   table = rng.choice([-1, num_pages, 10**6], size=(len(kv_lens), pages_per_seq))
   used = 0
@@ -376,8 +376,8 @@ def _paged_problem(seed, kv_lens, q_lens, *, num_kv_heads=2, group=2, head_dim=8
       if j % page_size == 0:
         table[s, j // page_size] = ids[used]
         used += 1
-      k_pages[:, table[s, j // page_size], j % page_size] = seq_k[s][:, j]
-      v_pages[:, table[s, j // page_size], j % page_size] = seq_v[s][:, j]
+      k_pages[table[s, j // page_size], :, j % page_size] = seq_k[s][:, j]
+      v_pages[table[s, j // page_size], :, j % page_size] = seq_v[s][:, j]
   return dict(q=q, k_pages=k_pages, v_pages=v_pages, kv_lens=kv_lens, page_indices=table,
               cu_q_lens=cu), seq_k, seq_v
 
@@ -450,17 +450,18 @@ def test_paged_attention_shared_pages():
   x, _, _ = _paged_problem(5, [10], [10], page_size=4, pad=0)   # pages of 4, 4, 2 tokens
   table = x["page_indices"]
   # Sequence 1: the same first 8 tokens (pages table[0, :2]), then 1 token on a new page.
-  spare = next(p for p in range(x["k_pages"].shape[1]) if p not in table[0, :3])
+  spare = next(p for p in range(x["k_pages"].shape[0]) if p not in table[0, :3])
   k_pages, v_pages = x["k_pages"].copy(), x["v_pages"].copy()
   rng = np.random.default_rng(0)
-  k_pages[:, spare, 0], v_pages[:, spare, 0] = rng.standard_normal((2, 2, 8))
+  k_pages[spare, :, 0], v_pages[spare, :, 0] = rng.standard_normal((2, 2, 8))
   two = dict(x, k_pages=k_pages, v_pages=v_pages, kv_lens=np.array([10, 9]),
              page_indices=np.stack([table[0], [table[0, 0], table[0, 1], spare, -1]]),
              q=np.concatenate([x["q"], x["q"][:1]]), cu_q_lens=np.array([0, 10, 11]))
   out = ref.paged_attention(**two)
   np.testing.assert_allclose(out[:10], ref.paged_attention(**x), rtol=1e-12, atol=1e-12)
-  ks = np.concatenate([x["k_pages"][:, table[0, :2]].reshape(2, 8, 8), k_pages[:, spare, :1]], 1)
-  vs = np.concatenate([x["v_pages"][:, table[0, :2]].reshape(2, 8, 8), v_pages[:, spare, :1]], 1)
+  prefix = lambda pages: pages[table[0, :2]].transpose(1, 0, 2, 3).reshape(2, 8, 8)
+  ks = np.concatenate([prefix(x["k_pages"]), k_pages[spare, :, :1]], 1)
+  vs = np.concatenate([prefix(x["v_pages"]), v_pages[spare, :, :1]], 1)
   want, _ = ref.attention(x["q"][:1].transpose(1, 0, 2)[None], ks[None], vs[None])
   np.testing.assert_allclose(out[10], want[0, :, 0], rtol=1e-12, atol=1e-12)
 
@@ -469,8 +470,8 @@ def test_paged_attention_by_hand():
   """One sequence, page size 2, two KV tokens with logits 0 and log 3 (sm_scale 1):
   weights 1/4, 3/4; a sink of logit log 4 halves them; window 1 keeps the last key."""
   q = np.array([[[1.0]], [[9.0]]])                          # token 1 is padding
-  k_pages = np.array([[[[np.nan], [np.nan]], [[0.0], [np.log(3.0)]]]])   # page 1 used
-  v_pages = np.array([[[[np.nan], [np.nan]], [[2.0], [6.0]]]])
+  k_pages = np.array([[[[np.nan], [np.nan]]], [[[0.0], [np.log(3.0)]]]])   # page 1 used
+  v_pages = np.array([[[[np.nan], [np.nan]]], [[[2.0], [6.0]]]])
   args = (q, k_pages, v_pages, [2], [[1, -1]], [0, 1])
   np.testing.assert_allclose(ref.paged_attention(*args, sm_scale=1.0), [[[6.5 - 1.5]], [[0]]])
   np.testing.assert_allclose(ref.paged_attention(*args, sm_scale=1.0,
@@ -498,7 +499,7 @@ def test_paged_attention_dequantizes_exactly(dtype, per_head):
     kq[np.isnan(x["k_pages"])] = np.nan           # e4m3fn has a NaN: unused slots hold it
   out = ref.paged_attention(**dict(x, k_pages=kq, v_pages=vq), k_scale=k_scale,
                             v_scale=v_scale)
-  head_scale = lambda s: np.broadcast_to(np.asarray(s, float), (2,))[:, None, None, None]
+  head_scale = lambda s: np.broadcast_to(np.asarray(s, float), (2,))[None, :, None, None]
   want = ref.paged_attention(**dict(x, k_pages=kq.astype(np.float64) * head_scale(k_scale),
                                     v_pages=vq.astype(np.float64) * head_scale(v_scale)))
   np.testing.assert_array_equal(out, want)
@@ -509,14 +510,14 @@ def test_write_kv_cache_reference():
   """Per token and head: the slot's page and offset; negative slots skipped; int8 rounds
   half to even and clips at +-127; fp8 clips at +-448; other slots untouched."""
   import ml_dtypes
-  k = np.zeros((2, 3, 4, 2), np.float32)
+  k = np.zeros((3, 2, 4, 2), np.float32)          # [num_pages, Hkv, page_size, D]
   v = np.ones_like(k)
   new_k = np.arange(3 * 2 * 2, dtype=np.float32).reshape(3, 2, 2) + 100
   new_v = -new_k
   out_k, out_v = ref.write_kv_cache(k, v, new_k, new_v, np.array([5, -1, 11]))
   want_k, want_v = k.copy(), v.copy()
-  want_k[:, 1, 1], want_v[:, 1, 1] = new_k[0], new_v[0]
-  want_k[:, 2, 3], want_v[:, 2, 3] = new_k[2], new_v[2]
+  want_k[1, :, 1], want_v[1, :, 1] = new_k[0], new_v[0]
+  want_k[2, :, 3], want_v[2, :, 3] = new_k[2], new_v[2]
   np.testing.assert_array_equal(out_k, want_k)
   np.testing.assert_array_equal(out_v, want_v)
   assert not k.any() and (v == 1).all()            # the inputs are left alone
@@ -532,7 +533,7 @@ def test_write_kv_cache_reference():
 
 def _paged_kernel_model(x, bf16_kv, opts, shift=0):
   """A NumPy model of a paged kernel's roundings for bf16 q: K/V dequantized into bf16
-  (`bf16_kv`: [Hkv, num_pages, ps, D] float64 before rounding), then per sequence the
+  (`bf16_kv`: [num_pages, Hkv, ps, D] float64 before rounding), then per sequence the
   flash model (f32 logits, blocked online softmax, bf16 P and out)."""
   import ml_dtypes
   bf = lambda a: a.astype(ml_dtypes.bfloat16)
@@ -572,7 +573,7 @@ def test_paged_tolerance_admits_bf16_dequantization(seed):
   kq, vq = quant(x["k_pages"]), quant(x["v_pages"])
   opts = [dict(sinks=np.array([0.5, -1, 2, 0, 1, 1, -3, 0.2])), dict(sliding_window=100),
           dict(soft_cap=5.0), {}][seed]
-  deq = lambda a, s: a.astype(np.float64) * s[:, None, None, None]
+  deq = lambda a, s: a.astype(np.float64) * s[None, :, None, None]
   model = _paged_kernel_model(x, (deq(kq, k_scale), deq(vq, v_scale)), opts)
   want = ref.paged_attention(**dict(x, k_pages=kq, v_pages=vq), k_scale=k_scale,
                              v_scale=v_scale, **opts)

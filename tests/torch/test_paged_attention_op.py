@@ -46,7 +46,7 @@ def _dequantize(pages: torch.Tensor, scale) -> torch.Tensor:
   if scale is None:
     return values
   scale = torch.as_tensor(scale, dtype=torch.float64).reshape(-1)
-  return values * scale.expand(pages.shape[0])[:, None, None, None]
+  return values * scale.expand(pages.shape[1])[None, :, None, None]
 
 
 def paged_reference(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, *, sm_scale=None,
@@ -54,7 +54,7 @@ def paged_reference(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, *, sm
                     v_scale=None) -> torch.Tensor:
   """out [T, Hq, D] float64, from the definition (see the module docstring)."""
   num_tokens, num_q_heads, head_dim = q.shape
-  num_kv_heads, _, page_size, _ = k_cache.shape
+  _, num_kv_heads, page_size, _ = k_cache.shape
   group = num_q_heads // num_kv_heads
   scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
   k_all, v_all = _dequantize(k_cache, k_scale), _dequantize(v_cache, v_scale)
@@ -67,8 +67,8 @@ def paged_reference(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, *, sm
     # Token j of the sequence: page page_indices[s, j // page_size], offset j % page_size.
     j = torch.arange(kv_len)
     pages = page_indices[s].long()[j // page_size]
-    k = k_all[:, pages, j % page_size].repeat_interleave(group, 0)     # [Hq, kv_len, D]
-    v = v_all[:, pages, j % page_size].repeat_interleave(group, 0)
+    k = k_all[pages, :, j % page_size].transpose(0, 1).repeat_interleave(group, 0)  # [Hq, L, D]
+    v = v_all[pages, :, j % page_size].transpose(0, 1).repeat_interleave(group, 0)
     pos = kv_len - q_len + torch.arange(q_len)
     visible = j[None, :] <= pos[:, None]
     if sliding_window is not None:
@@ -121,10 +121,10 @@ def _case(dtype=torch.float32, cache_dtype=None, seed=0, layout=LAYOUT, garbage=
   k_scale = v_scale = None
   caches = []
   for _ in range(2):
-    x = torch.randn(HKV, PAGES, PAGE, D, generator=gen)
+    x = torch.randn(PAGES, HKV, PAGE, D, generator=gen)
     if cache_dtype in (torch.int8, torch.float8_e4m3fn):
       scale = torch.rand(HKV, generator=gen) * 0.02 + 0.01
-      cache = _quantize(x.permute(1, 2, 0, 3), scale, cache_dtype).permute(2, 0, 1, 3)
+      cache = _quantize(x.permute(0, 2, 1, 3), scale, cache_dtype).permute(0, 2, 1, 3)
       cache = cache.contiguous()
       if k_scale is None:
         k_scale = scale
@@ -134,7 +134,7 @@ def _case(dtype=torch.float32, cache_dtype=None, seed=0, layout=LAYOUT, garbage=
       mask = torch.ones(PAGES, PAGE, dtype=torch.bool)
       for page, offset in used:
         mask[page, offset] = False
-      cache = x.masked_fill(mask[None, :, :, None], garbage).to(cache_dtype)
+      cache = x.masked_fill(mask[:, None, :, None], garbage).to(cache_dtype)
     caches.append(cache)
   return q, *caches, kv_lens, page_indices, cu_q_lens, k_scale, v_scale
 
@@ -184,7 +184,7 @@ def _scatter_reference(cache, new, slot_mapping, scale=None):
   values = new if scale is None else _quantize(new, scale, cache.dtype)
   for t, slot in enumerate(slot_mapping.tolist()):
     if slot >= 0:
-      expected[:, slot // PAGE, slot % PAGE] = values[t]
+      expected[slot // PAGE, :, slot % PAGE] = values[t]
   return expected
 
 
@@ -201,7 +201,7 @@ def test_write_kv_cache_in_place(paged, cache_dtype):
   gen = torch.Generator().manual_seed(7)
   quantized = cache_dtype in (torch.int8, torch.float8_e4m3fn)
   new_dtype = torch.float32 if quantized else cache_dtype
-  k_cache, v_cache = (torch.randn(HKV, PAGES, PAGE, D, generator=gen).to(cache_dtype)
+  k_cache, v_cache = (torch.randn(PAGES, HKV, PAGE, D, generator=gen).to(cache_dtype)
                       for _ in range(2))
   new_k, new_v = (torch.randn(8, HKV, D, generator=gen).to(new_dtype) * 3 for _ in range(2))
   slots = torch.tensor([5 * PAGE + 3, -1, 0, PAGES * PAGE - 1, 17, -1, 2 * PAGE, 100],
@@ -241,9 +241,10 @@ def test_write_then_attend_sees_the_new_tokens(paged):
       vs = torch.cat([h[1] for h in history[name]]).transpose(0, 1)[:, None]
       length = ks.shape[2]
       pad = -length % PAGE
-      ks = torch.nn.functional.pad(ks, (0, 0, 0, pad)).reshape(HKV, -1, PAGE, D)
-      vs = torch.nn.functional.pad(vs, (0, 0, 0, pad)).reshape(HKV, -1, PAGE, D)
-      pages = torch.arange(ks.shape[1], dtype=torch.int32)[None]
+      # -> pages [P, Hkv, PAGE, D]
+      ks = torch.nn.functional.pad(ks, (0, 0, 0, pad)).reshape(HKV, -1, PAGE, D).transpose(0, 1)
+      vs = torch.nn.functional.pad(vs, (0, 0, 0, pad)).reshape(HKV, -1, PAGE, D).transpose(0, 1)
+      pages = torch.arange(ks.shape[0], dtype=torch.int32)[None]
       want = paged_reference(q[cu[s]:cu[s + 1]], ks, vs, torch.tensor([length]), pages,
                              torch.tensor([0, n]))
       ref.assert_close(out[cu[s]:cu[s + 1]], want.numpy(), ref.ATTENTION_TOLERANCE["float32"],
@@ -253,7 +254,7 @@ def test_write_then_attend_sees_the_new_tokens(paged):
 
 def test_paged_kv_cache_bookkeeping(paged):
   cache = paged.PagedKVCache(2, HKV, D, 6, PAGE, shuffle_seed=0)
-  assert len(cache.k) == len(cache.v) == 2 and cache.k[1].shape == (HKV, 6, PAGE, D)
+  assert len(cache.k) == len(cache.v) == 2 and cache.k[1].shape == (6, HKV, PAGE, D)
   cache.add_sequence("a")
   cache.add_sequence("b")
   batch = cache.schedule([("a", 17), ("b", 1)], num_tokens=24, num_seqs=3, pages_per_seq=3)
@@ -295,7 +296,7 @@ def test_opcheck(paged_ops):
   slots = torch.arange(TOKENS, dtype=torch.int32) * 3
   slots[-5:] = -1
   opcheck(paged_ops.write_kv_cache_op, (k.clone(), v.clone(), new_k, new_v, slots, None, None))
-  k8, v8 = (torch.zeros(HKV, PAGES, PAGE, D, dtype=torch.int8) for _ in range(2))
+  k8, v8 = (torch.zeros(PAGES, HKV, PAGE, D, dtype=torch.int8) for _ in range(2))
   scale = torch.tensor([0.05, 0.02])
   opcheck(paged_ops.write_kv_cache_op, (k8, v8, new_k, new_v, slots, scale, scale))
 
@@ -412,12 +413,12 @@ _BAD_ATTENTION = [
     ("sinks shape", dict(sinks=torch.zeros(HKV)), ValueError, r"sinks must have shape \(4,\)"),
     ("scale with a float cache", dict(k_scale=0.1, v_scale=0.1), ValueError,
      "only for int8 / float8_e4m3fn caches"),
-    ("int8 cache without scales", dict(k_cache=torch.zeros(HKV, PAGES, PAGE, D, dtype=torch.int8),
-                                       v_cache=torch.zeros(HKV, PAGES, PAGE, D,
+    ("int8 cache without scales", dict(k_cache=torch.zeros(PAGES, HKV, PAGE, D, dtype=torch.int8),
+                                       v_cache=torch.zeros(PAGES, HKV, PAGE, D,
                                                            dtype=torch.int8)),
      ValueError, "needs k_scale"),
-    ("int8 scale shape", dict(k_cache=torch.zeros(HKV, PAGES, PAGE, D, dtype=torch.int8),
-                              v_cache=torch.zeros(HKV, PAGES, PAGE, D, dtype=torch.int8),
+    ("int8 scale shape", dict(k_cache=torch.zeros(PAGES, HKV, PAGE, D, dtype=torch.int8),
+                              v_cache=torch.zeros(PAGES, HKV, PAGE, D, dtype=torch.int8),
                               k_scale=torch.ones(3), v_scale=1.0),
      ValueError, r"k_scale must have shape \(2,\)"),
     ("mixed devices", dict(kv_lens=_OK["kv_lens"].to("meta")), RuntimeError, "same device"),
@@ -435,7 +436,7 @@ def test_attention_bad_input_gives_clear_error(paged, what, changes, error, mess
 
 
 def _write_ok(**changes):
-  args = dict(k_cache=torch.zeros(HKV, PAGES, PAGE, D), v_cache=torch.zeros(HKV, PAGES, PAGE, D),
+  args = dict(k_cache=torch.zeros(PAGES, HKV, PAGE, D), v_cache=torch.zeros(PAGES, HKV, PAGE, D),
               new_k=torch.ones(4, HKV, D), new_v=torch.ones(4, HKV, D),
               slot_mapping=_i32(0, 1, -1, PAGES * PAGE - 1))
   args.update(changes)
@@ -453,15 +454,15 @@ _BAD_WRITE = [
      r"slot_mapping must have shape \(4,\)"),
     ("new_k heads", dict(new_k=torch.ones(4, 1, D), new_v=torch.ones(4, 1, D)), ValueError,
      r"new_k must have shape \(4, 2, 16\)"),
-    ("non-contiguous cache", dict(k_cache=torch.zeros(HKV, PAGE, PAGES, D).transpose(1, 2),
-                                  v_cache=torch.zeros(HKV, PAGE, PAGES, D).transpose(1, 2)),
+    ("non-contiguous cache", dict(k_cache=torch.zeros(PAGES, PAGE, HKV, D).transpose(1, 2),
+                                  v_cache=torch.zeros(PAGES, PAGE, HKV, D).transpose(1, 2)),
      ValueError, "k_cache must be contiguous"),
     ("fp8 cache without scales", dict(
-        k_cache=torch.zeros(HKV, PAGES, PAGE, D, dtype=torch.float8_e4m3fn),
-        v_cache=torch.zeros(HKV, PAGES, PAGE, D, dtype=torch.float8_e4m3fn)),
+        k_cache=torch.zeros(PAGES, HKV, PAGE, D, dtype=torch.float8_e4m3fn),
+        v_cache=torch.zeros(PAGES, HKV, PAGE, D, dtype=torch.float8_e4m3fn)),
      ValueError, "needs k_scale"),
-    ("scale <= 0", dict(k_cache=torch.zeros(HKV, PAGES, PAGE, D, dtype=torch.int8),
-                        v_cache=torch.zeros(HKV, PAGES, PAGE, D, dtype=torch.int8),
+    ("scale <= 0", dict(k_cache=torch.zeros(PAGES, HKV, PAGE, D, dtype=torch.int8),
+                        v_cache=torch.zeros(PAGES, HKV, PAGE, D, dtype=torch.int8),
                         k_scale=0.0, v_scale=1.0), ValueError, "k_scale must be > 0"),
 ]
 

@@ -153,8 +153,8 @@ def test_tokens_depend_on_the_cache(paged, model, prompts, expected, monkeypatch
     if state["steps"] == 2:                          # after A's prefill, before it decodes
       page = self.pages["A"][0]
       for layer in range(self.num_layers):
-        self.k[layer][:, page] = 0
-        self.v[layer][:, page] = 0
+        self.k[layer][page] = 0
+        self.v[layer][page] = 0
     return real(self, chunks, **kwargs)
 
   monkeypatch.setattr(paged.PagedKVCache, "schedule", corrupting_schedule)

@@ -10,8 +10,9 @@ or CPU. Forward only: for serving.
     PagedKVCache, PagedBatch                            (page allocation, step metadata)
     register_attention(name="tpu_serving")              (Transformers serving loop)
 
-Layout, per layer: k_cache and v_cache are each [Hkv, num_pages, page_size, D]; token j
-of sequence s lives at [:, page_indices[s, j // page_size], j % page_size, :]. q packs
+Layout, per layer: k_cache and v_cache are each [num_pages, Hkv, page_size, D] (page-major:
+one page of every KV head is one contiguous run, one DMA); token j of sequence s lives at
+[page_indices[s, j // page_size], :, j % page_size, :]. q packs
 the new tokens of every sequence: sequence s owns q[cu_q_lens[s]:cu_q_lens[s + 1]],
 and they are the LAST q_len of its kv_lens[s] tokens (decode: q_len 1; prefill chunk:
 q_len > 1 after a cached prefix). Query i of sequence s (position p = kv_lens[s] -
@@ -62,22 +63,22 @@ def _check_int32(op: str, name: str, t: torch.Tensor) -> None:
 
 
 def _check_caches(op: str, k_cache, v_cache) -> tuple[int, int, int, int]:
-  """(Hkv, num_pages, page_size, D) of a valid pair of caches."""
+  """(num_pages, Hkv, page_size, D) of a valid pair of caches."""
   validation.check_tensor(op, "k_cache", k_cache)
   validation.check_tensor(op, "v_cache", v_cache)
-  _check_ndim(op, "k_cache", k_cache, 4, "[kv_heads, num_pages, page_size, head_dim]")
+  _check_ndim(op, "k_cache", k_cache, 4, "[num_pages, kv_heads, page_size, head_dim]")
   validation.check_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
   validation.check_shape(op, "v_cache", v_cache, tuple(k_cache.shape), "the shape of k_cache")
   if k_cache.dtype not in COMPUTE_DTYPES + QUANTIZED_DTYPES:
     raise TypeError(f"{op}: k_cache has dtype {_dtype_name(k_cache.dtype)}; a cache is "
                     f"float32 / bfloat16 (q's dtype) or int8 / float8_e4m3fn (with scales)")
-  num_kv_heads, num_pages, page_size, head_dim = k_cache.shape
+  num_pages, num_kv_heads, page_size, head_dim = k_cache.shape
   if min(k_cache.shape) == 0:
     raise ValueError(f"{op}: k_cache must have no empty dimension, got {tuple(k_cache.shape)}")
   if page_size % 16 or not 16 <= page_size <= 256:
     raise ValueError(f"{op}: page_size (k_cache.shape[2]) must be a multiple of 16 in "
                      f"[16, 256], got {page_size}")
-  return num_kv_heads, num_pages, page_size, head_dim
+  return num_pages, num_kv_heads, page_size, head_dim
 
 
 def _scales(op: str, cache: torch.Tensor, k_scale, v_scale, num_kv_heads: int):
@@ -142,7 +143,7 @@ def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
   Args:
     q: [T, Hq, D] float32 / bfloat16: the new tokens of all sequences, packed; tokens
       past cu_q_lens[-1] are padding (their output is 0), so T can be a fixed bucket.
-    k_cache, v_cache: [Hkv, num_pages, page_size, D], in q's dtype, or int8 /
+    k_cache, v_cache: [num_pages, Hkv, page_size, D], in q's dtype, or int8 /
       float8_e4m3fn with k_scale and v_scale; page_size a multiple of 16 in [16, 256].
       They must already hold every sequence's first kv_lens[s] tokens, the new ones
       included (write them first with write_kv_cache_).
@@ -171,7 +172,7 @@ def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
   op = "ragged_paged_attention"
   validation.check_tensor(op, "q", q)
   validation.check_float_dtype(op, "q", q, COMPUTE_DTYPES)
-  num_kv_heads, num_pages, page_size, head_dim = _check_caches(op, k_cache, v_cache)
+  num_pages, num_kv_heads, page_size, head_dim = _check_caches(op, k_cache, v_cache)
   if k_cache.dtype not in QUANTIZED_DTYPES and k_cache.dtype != q.dtype:
     raise TypeError(f"{op}: k_cache has dtype {_dtype_name(k_cache.dtype)} and q "
                     f"{_dtype_name(q.dtype)}: a float cache must have q's dtype (no silent "
@@ -239,7 +240,7 @@ def write_kv_cache_(k_cache: torch.Tensor, v_cache: torch.Tensor, new_k: torch.T
                     v_scale=None) -> None:
   """Writes new K/V into their cache slots, in place (the trailing underscore).
 
-  For each token t with slot_mapping[t] >= 0: k_cache[:, slot // page_size,
+  For each token t with slot_mapping[t] >= 0: k_cache[slot // page_size, :,
   slot % page_size, :] = new_k[t] (likewise v); tokens with a negative slot (padding)
   are skipped. Quantized caches store int8: clip(round(x / scale), -127, 127); fp8:
   clip(x / scale, -448, 448) cast to e4m3fn. Which of two tokens with the same slot wins
@@ -253,14 +254,14 @@ def write_kv_cache_(k_cache: torch.Tensor, v_cache: torch.Tensor, new_k: torch.T
   the copy is skipped whenever it does (same buffer).
 
   Args:
-    k_cache, v_cache: [Hkv, num_pages, page_size, D], contiguous; float32 / bfloat16, or
+    k_cache, v_cache: [num_pages, Hkv, page_size, D], contiguous; float32 / bfloat16, or
       int8 / float8_e4m3fn with k_scale and v_scale (as in ragged_paged_attention).
     new_k, new_v: [T, Hkv, D]: the cache's dtype for a float cache (no silent casts),
       float32 / bfloat16 for a quantized one.
     slot_mapping: [T] int32, slot = page_id * page_size + offset_in_page, or < 0 to skip.
   """
   op = "write_kv_cache_"
-  num_kv_heads, num_pages, page_size, head_dim = _check_caches(op, k_cache, v_cache)
+  num_pages, num_kv_heads, page_size, head_dim = _check_caches(op, k_cache, v_cache)
   for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
     if not t.is_contiguous():
       raise ValueError(f"{op}: {name} must be contiguous (it is updated in place)")

@@ -9,7 +9,7 @@ per-step metadata (slot mapping, page table, lengths) the two ops take.
 
 Plain Python bookkeeping on the host (as serving engines do), no kernel involved. The
 cache tensors are one pair per layer, k[layer] and v[layer], each
-[num_kv_heads, num_pages, page_size, head_dim]; a page id indexes dim 1 of every layer's
+[num_pages, num_kv_heads, page_size, head_dim]; a page id indexes dim 0 of every layer's
 pair (a sequence owns the same page ids in every layer).
 """
 
@@ -75,7 +75,7 @@ class PagedKVCache:
     self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
     self.num_pages, self.page_size = num_pages, page_size
     self.device = torch.device(device)
-    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    shape = (num_pages, num_kv_heads, page_size, head_dim)
     self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
     self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
     self.k_scale, self.v_scale = k_scale, v_scale
