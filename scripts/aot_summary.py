@@ -11,7 +11,8 @@ quantized weights; 192 compiles for three chips: 19 minutes measured on a busy 2
 machine; then flash attention, scripts/flash_attention_cases.py: 32 / 8 heads, causal,
 S = 2048 .. 32768 at head_dim 128, 256, 80, and the feature programs, forward and
 backward; 78 compiles for three chips: 13 minutes more, measured on the same busy
-machine). The main job (scripts/demo.py) calls main() and gets DEMO_CASES, a
+machine; then paged attention, scripts/paged_attention_cases.py: the decode matrix and
+feature programs, 87 programs per chip). The main job (scripts/demo.py) calls main() and gets DEMO_CASES, a
 representative slice of it (Qwen3-30B-A3B at m=64, backward programs, which hold the
 forward kernel too).
 """
@@ -32,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 from tpu_kernels import aot, chips, rms_norm  # noqa: E402
 
 import flash_attention_cases  # noqa: E402  (scripts/, next to this file)
+import paged_attention_cases  # noqa: E402
 import ragged_dot_cases  # noqa: E402
 
 S = jax.ShapeDtypeStruct
@@ -70,6 +72,10 @@ def _attention_case(program: flash_attention_cases.Program) -> Case:
   return Case("flash-attention-tpu", program.label, program.build, program.plan)
 
 
+def _paged_case(program: paged_attention_cases.Program) -> Case:
+  return Case("paged-attention-tpu", program.label, program.build, program.plan)
+
+
 RMS_CASES = [
     _rms_case(8192, 4096, jnp.bfloat16, "fused add+norm fwd+bwd, bf16[8192, 4096] (Llama-8B)"),
     _rms_case(8, 4096, jnp.bfloat16, "fused add+norm fwd+bwd, bf16[8, 4096] (decode)"),
@@ -79,7 +85,8 @@ RMS_CASES = [
 RAGGED_CASES = [_ragged_case(p) for p in ragged_dot_cases.all_programs()]
 ATTENTION_CASES = [_attention_case(p)
                    for p in flash_attention_cases.all_programs(directions=("fwd", "bwd"))]
-CASES = RMS_CASES + RAGGED_CASES + ATTENTION_CASES
+PAGED_CASES = [_paged_case(p) for p in paged_attention_cases.all_programs()]
+CASES = RMS_CASES + RAGGED_CASES + ATTENTION_CASES + PAGED_CASES
 # The main job's slice: decode (m=64) backward of Qwen3-30B-A3B (each holds the forward kernel).
 DEMO_CASES = RMS_CASES + [
     _ragged_case(p) for p in ragged_dot_cases.model_programs("qwen3-30b-a3b", 64, ("bwd",))]
