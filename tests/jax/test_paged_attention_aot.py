@@ -15,6 +15,9 @@ One test per (heads, head_dim, chip) checks the 9 (batch, context) programs, 1-8
 compile each; all compiles are queued at once on the shared two-worker pool.
 """
 
+import functools
+import re
+
 import pytest
 
 from aot_pool import compile_pool
@@ -133,3 +136,29 @@ def test_big_batches_take_the_smem_chunked_path(chip):
   ts = small.tiling(chip)
   assert ts.items_per_call == PA.num_work_items(small.config.num_tokens, small.config.batch,
                                                 ts.block_q)
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_donated_cache_write_aliases_the_caches(chip, kv_dtype):
+  """write_kv_cache under jax.jit with the caches donated (as the torch op's TPU path
+  runs it) compiles for the chip with both caches aliased to the outputs: the update is
+  in place in HBM, no copy of the cache. Read from the compiled program's
+  input_output_alias table."""
+  import jax
+  import jax.numpy as jnp
+
+  from tpu_kernels import aot
+
+  cache = jax.ShapeDtypeStruct((4096, 8, 16, 128), jnp.dtype(kv_dtype))
+  new = jax.ShapeDtypeStruct((64, 8, 128), jnp.bfloat16)
+  slots = jax.ShapeDtypeStruct((64,), jnp.int32)
+  scales = {} if kv_dtype == "bfloat16" else dict(k_scale=0.5, v_scale=0.25)
+  write = functools.partial(PA.write_kv_cache, **scales)
+  device = aot.topology_device(chip)
+  specs = [aot._on_device(s, device) for s in (cache, cache, new, new, slots)]
+  text = jax.jit(write, donate_argnums=(0, 1)).trace(*specs).lower().compile().as_text()
+  alias = re.search(r"input_output_alias=\{(.*?)\}, entry_computation_layout", text)
+  assert alias, "no input/output aliasing in the compiled program"
+  assert re.search(r"\{0\}: \(0, \{\}", alias.group(1)) and re.search(
+      r"\{1\}: \(1, \{\}", alias.group(1)), alias.group(1)
