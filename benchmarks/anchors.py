@@ -1,0 +1,846 @@
+"""Anchors: jax's own Pallas TPU kernels, rated by the same static estimator as ours.
+
+    python benchmarks/anchors.py [--chips v5e v6e] [--cases SUBSTR] [--out FILE]
+
+prints one JSON row per (anchor, chip). `anchors()` is what benchmarks/estimate.py wires in:
+each `Anchor.rate(chip)` returns compiled / error / estimated_cycles / hbm_bytes / method /
+note / config (+ hand counts); the caller turns them into predicted = max(cycles / clock,
+hbm_bytes / bandwidth) and the efficiency against the headline roofline.
+
+Anchors (jax's own kernels, `jax.experimental.pallas.ops.tpu`, nothing copied):
+
+  * grouped matmul: megablox `gmm`, lhs [m, k] x rhs [G, k, n] (its natural layout), bf16
+    out, balanced group sizes, at its default tiling (128, 128, 128) and at (512, 1024,
+    1024) clipped to divisors of the case. gate_up is the plain [m, 2048] x [2048, 1536]
+    matmul: silu(gate) * up is NOT fused in gmm (its extra pass is not counted).
+  * attention: `flash_attention` (q / k / v [B, H, S, D]; it has no GQA, so k / v are
+    repeated to 32 heads first: the repeat's HBM traffic is in hbm_bytes, its cycles are
+    not) and splash attention (`make_splash_mha`, GQA by k / v with 8 heads, causal mask).
+  * paged decode: `paged_attention` (k / v pages [Hkv, pages, page, D], its default
+    inline_seq_dim=True) and `ragged_paged_attention` (fused K/V pages).
+  * RMSNorm: jax ships no Pallas RMSNorm; there is no anchor (estimate.py rates the XLA
+    jnp version).
+
+What the estimator is shown (it reads every SMEM / scalar-prefetch value as 0):
+
+  * gmm: group metadata (group_offsets, group_ids, m_tile_ids) and the number of active
+    tiles come from `make_group_metadata` at run time. Here the tile count is a static grid
+    size and every read of the metadata, in the kernel body and the index maps, yields
+    max(value, closed form of balanced routing) (equal on hardware; `gmm_closed_form` is
+    checked against megablox's own make_group_metadata with concrete group sizes).
+  * splash: its mask info (data_next, block_mask) is scalar prefetch: reads yield
+    max(value, closed form of the causal mask) (checked against `process_mask`).
+  * paged_attention: its loop count is lax.div(length + bk - 1, bk) of an SMEM length,
+    which the estimator mis-evaluates for any run-time value, so the length is made static
+    (the kernel reads the case's context length as a constant: a static-length variant);
+    page-table reads yield max(value, identity table).
+  * ragged_paged_attention: see `_rpa_row` (not rated: why is in the row).
+
+All substitutions patch the kernel module's `pl` (its pallas_call) while tracing, in a
+subprocess (`--child`) that sets the profile flag for itself; nothing here sets
+LIBTPU_INIT_ARGS at import. Big grids are rated truncated and extrapolated (see each
+anchor's `method`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+from typing import Callable
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "kernels"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import headline  # noqa: E402
+
+JAX_VERSION = None   # filled lazily (jax is imported only when needed)
+
+
+def _module(name: str):
+  """jax.experimental.pallas.ops.tpu.<name> as a module (packages re-export functions under
+  their modules' names, e.g. megablox.gmm)."""
+  import importlib
+  return importlib.import_module(f"jax.experimental.pallas.ops.tpu.{name}")
+
+
+def _jax():
+  import jax
+  global JAX_VERSION
+  JAX_VERSION = jax.__version__
+  return jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Anchor:
+  case: str            # headline case name, exactly headline.HEADLINE[i].name
+  implementation: str  # e.g. "jax megablox gmm (jax 0.10.2, tiling 512x1024x1024)"
+  rate: Callable[[str], dict]   # chip -> partial row
+
+
+# ----------------------------------------------------------------------------------------
+# Generic pieces: HBM replay, visible scalar prefetch, compiling in a child process.
+
+
+def replay(steps, blocks) -> int:
+  """Bytes moved by a grid: for each (name, index_fn, nbytes) in blocks, a block is
+  fetched (or written back) whenever index_fn(step) differs from the previous step's."""
+  moved, last = 0, {}
+  for step in steps:
+    for name, index_fn, nbytes in blocks:
+      index = index_fn(*step)
+      if last.get(name, None) != index:
+        moved += nbytes
+        last[name] = index
+  return moved
+
+
+class Visible:
+  """A scalar-prefetch ref whose reads yield max(ref[idx], closed_form(idx)) ("max") or
+  the closed form alone ("const", a static-value variant)."""
+
+  def __init__(self, ref, closed_form, mode="max"):
+    self.ref, self.closed_form, self.mode = ref, closed_form, mode
+
+  @property
+  def shape(self):
+    return self.ref.shape
+
+  @property
+  def dtype(self):
+    return self.ref.dtype
+
+  def __getitem__(self, idx):
+    import jax.numpy as jnp
+    want = self.closed_form(*(idx if isinstance(idx, tuple) else (idx,)))
+    if self.mode == "const":
+      return want
+    return jnp.maximum(self.ref[idx].astype(jnp.int32), jnp.asarray(want, jnp.int32))
+
+
+@contextlib.contextmanager
+def visible_prefetch(module, closed_forms, grid=None):
+  """While active, `module.pl.pallas_call` wraps the scalar-prefetch refs (a pytree matching
+  the first num_scalar_prefetch operands; a leaf is None (untouched), a function
+  (max(value, f(idx))) or ("const", f)) in the kernel body and in every index map.
+  `grid`, if given, replaces the grid (e.g. a static visit count)."""
+  jax = _jax()
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+
+  def wrap(prefetch):
+    def leaf(ref, form):
+      if form is None:
+        return ref
+      if isinstance(form, tuple):
+        return Visible(ref, form[1], form[0])
+      return Visible(ref, form)
+    return [jax.tree.map(leaf, r, f, is_leaf=lambda x: x is None or callable(x)
+                         or isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str))
+            if f is not None else r for r, f in zip(prefetch, closed_forms)]
+
+  def pallas_call(kernel, *args, grid_spec=None, **kwargs):
+    nsp = grid_spec.num_scalar_prefetch
+    assert nsp == len(closed_forms), (nsp, len(closed_forms))
+    new_grid = tuple(grid) if grid is not None else tuple(grid_spec.grid)
+    n_grid = len(new_grid)
+
+    def new_spec(spec):
+      if not isinstance(spec, pl.BlockSpec) or spec.index_map is None:
+        return spec
+      index_map = spec.index_map
+
+      def visible_map(*a):
+        return index_map(*a[:n_grid], *wrap(a[n_grid:n_grid + nsp]), *a[n_grid + nsp:])
+      return dataclasses.replace(spec, index_map=visible_map)
+
+    is_spec = lambda x: isinstance(x, pl.BlockSpec)
+    in_specs = jax.tree.map(new_spec, grid_spec.in_specs, is_leaf=is_spec)
+    out_specs = jax.tree.map(new_spec, grid_spec.out_specs, is_leaf=is_spec)
+
+    def visible_kernel(*refs, **kw):
+      return kernel(*wrap(refs[:nsp]), *refs[nsp:], **kw)
+    functools.update_wrapper(visible_kernel, getattr(kernel, "func", kernel))
+    spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=nsp, grid=new_grid,
+                                        in_specs=in_specs, out_specs=out_specs,
+                                        scratch_shapes=grid_spec.scratch_shapes)
+    return pl.pallas_call(visible_kernel, *args, grid_spec=spec, **kwargs)
+
+  view = types.SimpleNamespace(**{n: getattr(pl, n) for n in dir(pl) if not n.startswith("__")})
+  view.pallas_call = pallas_call
+  with mock.patch.object(module, "pl", view):
+    yield
+
+
+def _kernel_cycles(hlo_text: str) -> tuple[int, int]:
+  """(sum of the Mosaic kernels' estimated cycles, number of Mosaic kernels). An instruction
+  may span several lines (a kernel's backend config can hold newlines), so the text is split
+  at instruction starts, not at line ends."""
+  total, count = 0, 0
+  text = hlo_text.replace('\\"', '"')
+  for instruction in re.split(r"\n\s*(?:ROOT\s+)?%", text):
+    if 'custom_call_target="tpu_custom_call"' in instruction:
+      m = re.search(r'"estimated_cycles":"?(\d+)', instruction)
+      if m is None:   # e.g. inside an input fusion: the estimate sits on the fusion
+        raise RuntimeError("a Mosaic kernel carries no estimated_cycles (input fusion?)")
+      total += int(m.group(1))
+      count += 1
+  return total, count
+
+
+def _compile(fn, specs, chip: str):
+  jax = _jax()
+  from tpu_kernels import aot
+  device = aot.topology_device(chip)
+  specs = [aot._on_device(s, device) for s in specs]
+  return jax.jit(fn).trace(*specs).lower().compile()
+
+
+CHILD_TIMEOUT_S = 600
+
+
+def _child(key: str, chip: str, trunc) -> dict:
+  """Compiles anchor `key` truncated to `trunc` for `chip` with the static profile on, in a
+  subprocess (the estimator may abort the process). Returns {cycles, kernels, seconds,
+  peak_rss_mb}."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+  env["LIBTPU_INIT_ARGS"] = re.sub(r"--xla_jf_dump_static_llo_profile_to=\S+", "",
+                                   env.get("LIBTPU_INIT_ARGS", ""))
+  start = time.time()
+  result = subprocess.run([sys.executable, __file__, "--child", key, chip, json.dumps(trunc)],
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env)
+  if result.returncode:
+    fatal = [l for l in result.stderr.splitlines() if re.match(r"F\d{4} ", l)] or \
+        [l for l in result.stderr.strip().splitlines() if "Error" in l][-1:] or \
+        result.stderr.strip().splitlines()[-1:]
+    raise RuntimeError(f"child exit {result.returncode} ({key} {chip} {trunc}): "
+                       f"{fatal[0][:400] if fatal else ''}")
+  out = json.loads(result.stdout.strip().splitlines()[-1])
+  out["wall_s"] = round(time.time() - start, 1)
+  return out
+
+
+def _child_main(key: str, chip: str, trunc_json: str) -> None:
+  import resource
+  spec = _SPECS()[key]
+  trunc = json.loads(trunc_json)
+  fn, specs = spec.build(trunc)
+  start = time.time()
+  compiled = _compile(fn, specs, chip)
+  cycles, count = _kernel_cycles(compiled.as_text())
+  print(json.dumps(dict(cycles=cycles, kernels=count, seconds=round(time.time() - start, 1),
+                        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)))
+
+
+def _row_base(spec) -> dict:
+  return dict(compiled=False, error=None, estimated_cycles=None, hbm_bytes=None,
+              method=spec.method, note=spec.note, config=spec.config())
+
+
+def _rate(spec, chip: str) -> dict:
+  """Shared driver: validate, compile the truncations in children, extrapolate."""
+  from tpu_kernels import chips
+  row = _row_base(spec)
+  try:
+    row["hbm_bytes"] = spec.hbm_bytes()
+    c = chips.get_chip(chip)
+    row.update(spec.hand(c))
+    spec.validate()
+    results = {json.dumps(t): _child(spec.key, chip, t) for t in spec.truncations}
+  except Exception as e:  # noqa: BLE001  (a failed anchor is a row, not a crash)
+    msg = str(e).strip().splitlines()
+    row["error"] = f"{type(e).__name__}: {msg[0][:400] if msg else ''}"
+    row["compiled"] = isinstance(e, RuntimeError) and "child exit" not in str(e)
+    return row
+  row["truncated"] = [dict(trunc=json.loads(t), **r) for t, r in results.items()]
+  row["compiled"] = True
+  if any(r["kernels"] == 0 for r in results.values()):
+    row["error"] = "no Mosaic kernel in the compiled program"
+    return row
+  if any(r["cycles"] == 0 for r in results.values()):
+    row["error"] = "the estimator rated the kernel 0 cycles"
+    return row
+  cycles = spec.extrapolate({t: r["cycles"] for t, r in results.items()})
+  row["estimated_cycles"] = int(round(cycles))
+  return row
+
+
+# ----------------------------------------------------------------------------------------
+# megablox gmm
+
+
+def _log2(x: int) -> int:
+  assert x > 0 and x & (x - 1) == 0, f"{x} is not a power of two"
+  return x.bit_length() - 1
+
+
+def _divisor_tile(dim: int, target: int) -> int:
+  """The largest multiple of 128 <= target that divides dim (dim itself if dim <= target)."""
+  if dim <= target:
+    return dim
+  for t in range(target - target % 128, 127, -128):
+    if dim % t == 0:
+      return t
+  raise ValueError(f"no 128-multiple tile <= {target} divides {dim}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmClosedForm:
+  """megablox make_group_metadata for balanced routing: m = groups * rows, powers of two."""
+
+  m: int
+  groups: int
+  tm: int
+
+  @property
+  def rows(self) -> int:
+    return self.m // self.groups
+
+  @property
+  def num_tiles(self) -> int:
+    return self.groups if self.rows <= self.tm else self.m // self.tm
+
+  def group_offset(self, g):
+    return g * self.rows
+
+  def group_id(self, v):
+    return v if self.rows <= self.tm else v >> _log2(self.rows // self.tm)
+
+  def m_tile_id(self, v):
+    return (v * self.rows) >> _log2(self.tm) if self.rows <= self.tm else v
+
+  def check(self) -> None:
+    """Equals megablox's make_group_metadata with concrete balanced group sizes."""
+    import numpy as np
+    jax = _jax()
+    import jax.numpy as jnp
+    G = _module("megablox.gmm")
+    assert self.rows * self.groups == self.m
+    _log2(self.rows), _log2(self.tm)
+    sizes = jnp.full((self.groups,), self.rows, jnp.int32)
+    (offsets, gids, mtiles), num = jax.jit(lambda s: G.make_group_metadata(
+        group_sizes=s, m=self.m, tm=self.tm, start_group=jnp.int32(0),
+        num_nonzero_groups=self.groups, visit_empty_groups=False))(sizes)
+    v, g = np.arange(self.num_tiles), np.arange(self.groups + 1)
+    assert int(num) == self.num_tiles, (int(num), self.num_tiles)
+    np.testing.assert_array_equal(np.asarray(offsets), self.group_offset(g))
+    np.testing.assert_array_equal(np.asarray(gids)[:self.num_tiles], self.group_id(v))
+    np.testing.assert_array_equal(np.asarray(mtiles)[:self.num_tiles], self.m_tile_id(v))
+
+
+GMM_TRUNCATED_VISITS = (4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmAnchor:
+  m: int
+  part: str
+  tiling_name: str          # "default" or "512x1024x1024"
+  groups: int = 128
+
+  @property
+  def case(self):
+    return headline.GroupedMatmul(self.m, self.part, groups=self.groups)
+
+  @property
+  def key(self) -> str:
+    return f"gmm:{self.m}:{self.part}:{self.tiling_name}:{self.groups}"
+
+  @property
+  def tiling(self) -> tuple[int, int, int]:
+    c = self.case
+    if self.tiling_name == "default":
+      return (128, 128, 128)   # gmm's default tiling argument
+    tm, tk, tn = (int(x) for x in self.tiling_name.split("x"))
+    return (min(tm, self.m), _divisor_tile(c.k, tk), _divisor_tile(c.n_weight, tn))
+
+  @property
+  def closed_form(self) -> GmmClosedForm:
+    return GmmClosedForm(self.m, self.groups, self.tiling[0])
+
+  @property
+  def implementation(self) -> str:
+    tm, tk, tn = self.tiling
+    label = "default tiling" if self.tiling_name == "default" else "tiling"
+    return f"jax megablox gmm (jax {_jax().__version__}, {label} {tm}x{tk}x{tn})"
+
+  truncations = tuple([v] for v in GMM_TRUNCATED_VISITS)
+
+  @property
+  def method(self) -> str:
+    return (f"static estimate of the gmm kernel at {GMM_TRUNCATED_VISITS[0]} and "
+            f"{GMM_TRUNCATED_VISITS[1]} active m-tiles (static grid, metadata made visible), "
+            f"extrapolated linearly to {self.closed_form.num_tiles}")
+
+  @property
+  def note(self) -> str:
+    extra = (" gate_up: plain matmul to [m, 1536]; silu(gate) * up is not fused in gmm "
+             "(its extra elementwise pass, ~m*1536*2*2 + m*768*2 bytes, is not counted)."
+             if self.part.startswith("gate_up") else "")
+    return ("Balanced routing (m / 128 rows per expert); rhs in gmm's [G, k, n] layout; "
+            "bf16 output (preferred_element_type=bf16); the XLA ops of make_group_metadata "
+            "are not rated (the metadata is an input)." + extra)
+
+  def config(self) -> dict:
+    tm, tk, tn = self.tiling
+    cf = self.closed_form
+    return dict(tm=tm, tk=tk, tn=tn, m=self.m, k=self.case.k, n=self.case.n_weight,
+                groups=self.groups, active_tiles=cf.num_tiles, transpose_rhs=False)
+
+  def validate(self) -> None:
+    self.closed_form.check()
+
+  def build(self, trunc):
+    (visits,) = trunc
+    jax = _jax()
+    import jax.numpy as jnp
+    G = _module("megablox.gmm")
+    c, cf = self.case, self.closed_form
+    m, k, n = self.m, c.k, c.n_weight
+    num_meta = m // self.tiling[0] + self.groups - 1
+    forms = ((cf.group_offset, cf.group_id, cf.m_tile_id), None)
+
+    def fn(lhs, rhs, offsets, gids, mtiles):
+      metadata = lambda **kw: ((offsets, gids, mtiles), visits)
+      with visible_prefetch(G, forms), mock.patch.object(G, "make_group_metadata", metadata):
+        return G.gmm(lhs, rhs, jnp.zeros((self.groups,), jnp.int32),
+                     preferred_element_type=jnp.bfloat16, tiling=self.tiling)
+
+    S = jax.ShapeDtypeStruct
+    return fn, [S((m, k), jnp.bfloat16), S((self.groups, k, n), jnp.bfloat16),
+                S((self.groups + 1,), jnp.int32), S((num_meta,), jnp.int32),
+                S((num_meta,), jnp.int32)]
+
+  def extrapolate(self, cycles: dict) -> float:
+    (v1, v2) = GMM_TRUNCATED_VISITS
+    k1, k2 = cycles[json.dumps([v1])], cycles[json.dumps([v2])]
+    return k1 + (k2 - k1) / (v2 - v1) * (self.closed_form.num_tiles - v1)
+
+  def hbm_bytes(self, visits: int | None = None) -> int:
+    c, cf = self.case, self.closed_form
+    tm, tk, tn = self.tiling
+    n_tiles, k_tiles = -(-c.n_weight // tn), -(-c.k // tk)
+    visits = cf.num_tiles if visits is None else visits
+    steps = ((j, v, kk) for j in range(n_tiles) for v in range(visits) for kk in range(k_tiles))
+    return replay(steps, [
+        ("lhs", lambda j, v, kk: (cf.m_tile_id(v), kk), tm * tk * 2),
+        ("rhs", lambda j, v, kk: (cf.group_id(v), kk, j), tk * tn * 2),
+        ("out", lambda j, v, kk: (cf.m_tile_id(v), j), tm * tn * 2)])
+
+  def hand(self, chip) -> dict:
+    """Every active tile is a full tm-row matmul over all of k and n (rows of other groups
+    are computed and masked); weights of a new group are fetched per visit."""
+    c, cf = self.case, self.closed_form
+    tm = self.tiling[0]
+    mxu_flops = 2 * tm * c.k * c.n_weight * cf.num_tiles
+    hand_us = max(mxu_flops / chip.bf16_flops_per_s,
+                  self.hbm_bytes() / chip.hbm_bytes_per_s) * 1e6
+    return dict(hand_mxu_flops=mxu_flops, hand_us=hand_us,
+                hand_count=f"{cf.num_tiles} tiles x 2*{tm}*{c.k}*{c.n_weight} flops at peak "
+                           f"vs replayed bytes at HBM bandwidth")
+
+
+# ----------------------------------------------------------------------------------------
+# flash attention (jax) and splash attention
+
+
+def _causal_rows(nq_rows: int, nk: int, first_row: int = 0) -> tuple[int, int]:
+  """(blocks on or below the diagonal, steps) of rows first_row.. of a square causal grid."""
+  run = sum(min(i + 1, nk) for i in range(first_row, first_row + nq_rows))
+  return run, nq_rows * nk
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionAnchor:
+  seq: int
+  kind: str                 # "flash" or "splash"
+  block: int = 128          # block_q = block_k(v) (both anchors' defaults: 128)
+
+  @property
+  def case(self):
+    return headline.Attention(self.seq)
+
+  @property
+  def key(self) -> str:
+    return f"attn:{self.kind}:{self.seq}:{self.block}"
+
+  @property
+  def implementation(self) -> str:
+    b = self.block
+    if self.kind == "flash":
+      return (f"jax flash_attention (jax {_jax().__version__}, blocks q/k_major/k "
+              f"{b}/{b}/{b}, k/v repeated to 32 heads)")
+    return f"jax splash attention MHA-GQA (jax {_jax().__version__}, block_q/kv {b}/{b})"
+
+  @property
+  def nq(self) -> int:
+    return self.seq // self.block
+
+  # Truncations: [heads, q rows (blocks)]. Small S: full rows, 1 and 2 heads. Large S: one
+  # head, the first 2, 4, 8 q-block rows against the full kv length, fitted as
+  # a + b * rows + c * (blocks on/below the diagonal) and extrapolated to all rows.
+  @property
+  def truncations(self):
+    if self.nq * self.nq <= 4096:
+      return ([1, self.nq], [2, self.nq])
+    return ([1, 2], [1, 4], [1, 8])
+
+  @property
+  def method(self) -> str:
+    if self.nq * self.nq <= 4096:
+      return ("static estimate at 1 and 2 heads (all q blocks), extrapolated linearly to 32 "
+              "heads")
+    fit_check = {"flash": "checked at S=4096 (v6e): fit 500,252 = full 500,252 cycles",
+                 "splash": "checked at S=4096 (v6e): fit 651,110 vs full 560,382 cycles, i.e. "
+                           "this fit OVERestimates splash by ~16%"}[self.kind]
+    return ("static estimate of 1 head at the first 2, 4 and 8 q-block rows (full kv), fitted "
+            "exactly as a + b*rows + c*(diagonal-or-below blocks) and extrapolated to "
+            f"{self.nq} rows, times 32 heads ({fit_check})")
+
+  @property
+  def note(self) -> str:
+    if self.kind == "flash":
+      return ("flash_attention has no GQA: k/v repeated 8 -> 32 heads outside the kernel (the "
+              "repeat's bytes, read 8 heads + write 32, are in hbm_bytes; its cycles are not); "
+              "[B, H, S, D] layout (the transposes from the headline's [B, S, H, D] are not "
+              "counted); blocks above the diagonal are grid steps with the compute skipped.")
+    return ("splash MHA kernel with 8 kv heads (GQA through its h // 4 index map); mask info "
+            "(data_next, block_mask) made visible as max(value, causal closed form); the "
+            "kernel computes p @ v in f32 (its own choice); [H, S, D] layout (transposes not "
+            "counted); blocks above the diagonal are grid steps with the compute skipped.")
+
+  def config(self) -> dict:
+    b = self.block
+    if self.kind == "flash":
+      return dict(block_q=b, block_k_major=b, block_k=b, block_b=1, layout="BHSD",
+                  kv_heads_in_kernel=32)
+    return dict(block_q=b, block_kv=b, block_kv_compute=b, layout="HSD", kv_heads_in_kernel=8,
+                downcast_smem_data=True)
+
+  # Splash's mask info for a causal mask (rows = the first `rows` q blocks, full kv):
+  def block_mask(self, i, j):
+    import jax.numpy as jnp
+    return jnp.where(j < i, 2, jnp.where(j == i, 1, 0)) if not isinstance(i, int) else \
+        (2 if j < i else 1 if j == i else 0)
+
+  def data_next(self, i, j):
+    import jax.numpy as jnp
+    return jnp.where(j <= i, j, 0) if not isinstance(i, int) else (j if j <= i else 0)
+
+  def _splash_mask_info(self, rows: int):
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as M, splash_attention_mask_info as MI)
+    mask = M.MultiHeadMask([M.CausalMask((rows * self.block, self.seq))])
+    info, _ = MI.process_mask(mask, (self.block, self.block), shrink_grid=False)
+    return info
+
+  def validate(self) -> None:
+    if self.kind != "splash":
+      return
+    import numpy as np
+    rows = min(self.nq, 8)
+    info = self._splash_mask_info(rows)
+    i, j = np.meshgrid(np.arange(rows), np.arange(self.nq), indexing="ij")
+    want_mask = np.where(j < i, 2, np.where(j == i, 1, 0))
+    want_next = np.where(j <= i, j, 0)
+    np.testing.assert_array_equal(np.asarray(info.block_mask)[0], want_mask)
+    np.testing.assert_array_equal(np.asarray(info.data_next)[0], want_next)
+    assert info.mask_next is None and info.partial_mask_blocks is None
+
+  def build(self, trunc):
+    heads, rows = trunc
+    jax = _jax()
+    import jax.numpy as jnp
+    c, b = self.case, self.block
+    sq = rows * b
+    S = jax.ShapeDtypeStruct
+    scale = 1.0 / math.sqrt(c.head_dim)
+    if self.kind == "flash":
+      F = _module("flash_attention")
+      kv_heads = max(1, heads * c.kv_heads // c.q_heads)
+      rep = heads // kv_heads
+
+      def fn(q, k, v):
+        k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
+        return F.flash_attention(q, k, v, causal=True, sm_scale=scale,
+                                 block_sizes=F.BlockSizes(block_q=b, block_k_major=b,
+                                                          block_k=b, block_b=1))
+      return fn, [S((1, heads, sq, c.head_dim), jnp.bfloat16),
+                  S((1, kv_heads, self.seq, c.head_dim), jnp.bfloat16),
+                  S((1, kv_heads, self.seq, c.head_dim), jnp.bfloat16)]
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as K, splash_attention_mask as M,
+        splash_attention_mask_info as MI)
+    kv_heads = max(1, heads * c.kv_heads // c.q_heads)
+    mask = M.MultiHeadMask([M.CausalMask((sq, self.seq))] * heads)
+    # The square causal grid is not shrunk; truncated rows must not be either (else the
+    # truncated grid would lose the skipped steps the full one has).
+    process = functools.partial(MI.process_mask, shrink_grid=False)
+    with mock.patch.object(K.mask_info_lib, "process_mask", process):
+      kernel = K.make_splash_mha(mask, head_shards=1, q_seq_shards=1,
+                                 downcast_smem_data=os.environ.get("SPLASH_DOWNCAST", "1") == "1",
+                                 block_sizes=K.BlockSizes(block_q=b, block_kv=b,
+                                                          block_kv_compute=b))
+    forms = (lambda h, i, j: self.data_next(i, j), lambda h, i, j: self.block_mask(i, j), None)
+
+    def fn(q, k, v):
+      with visible_prefetch(K, forms):
+        return kernel(q, k, v)   # (1/sqrt(D) folded into q by the caller: not rated)
+    return fn, [S((heads, sq, c.head_dim), jnp.bfloat16),
+                S((kv_heads, self.seq, c.head_dim), jnp.bfloat16),
+                S((kv_heads, self.seq, c.head_dim), jnp.bfloat16)]
+
+  def extrapolate(self, cycles: dict) -> float:
+    H = self.case.q_heads
+    if self.nq * self.nq <= 4096:
+      c1, c2 = cycles[json.dumps([1, self.nq])], cycles[json.dumps([2, self.nq])]
+      return c1 + (c2 - c1) * (H - 1)
+    return H * self.fit_rows(cycles)
+
+  def fit_rows(self, cycles: dict) -> float:
+    """Solve a + b*rows + c*run for the three truncations; evaluate at all rows."""
+    import numpy as np
+    pts = [json.loads(t) for t in cycles]
+    A = np.array([[1.0, r, _causal_rows(r, self.nq)[0]] for _, r in pts])
+    y = np.array([cycles[json.dumps(p)] for p in pts], dtype=float)
+    coef = np.linalg.solve(A, y)
+    return float(coef @ [1.0, self.nq, _causal_rows(self.nq, self.nq)[0]])
+
+  def hbm_bytes_head(self, nq_rows: int | None = None) -> int:
+    """Bytes one head's grid moves (replay of (q row, kv col) through the index maps)."""
+    b, d = self.block, self.case.head_dim
+    nq = self.nq if nq_rows is None else nq_rows
+    blk = b * d * 2
+    steps = ((i, j) for i in range(nq) for j in range(self.nq))
+    if self.kind == "flash":   # kv index: j on or below the diagonal, else 0
+      kv = lambda i, j: j if j <= i else 0
+    else:                      # splash: data_next
+      kv = lambda i, j: self.data_next(i, j)
+    return replay(steps, [("q", lambda i, j: i, blk), ("k", kv, blk), ("v", kv, blk),
+                          ("o", lambda i, j: i, blk)])
+
+  def hbm_bytes(self) -> int:
+    """All heads: every head starts with new q / o / kv blocks (the head is part of each
+    block index, and j restarts at 0), so heads x one head's replay."""
+    c = self.case
+    total = c.q_heads * self.hbm_bytes_head()
+    if self.kind == "flash":   # the k / v repeat: read 8 heads, write 32, for k and v
+      total += 2 * (c.kv_heads + c.q_heads) * self.seq * c.head_dim * 2
+    return total
+
+  def hand(self, chip) -> dict:
+    c = self.case
+    run, steps = _causal_rows(self.nq, self.nq)
+    mxu = c.q_heads * run * 4 * self.block * self.block * c.head_dim
+    if self.kind == "splash":   # p @ v in f32: count it at 1/3 of bf16 MXU rate (3 passes)
+      mxu_equiv = c.q_heads * run * 2 * self.block ** 2 * c.head_dim * (1 + 3)
+    else:
+      mxu_equiv = mxu
+    hand_us = max(mxu_equiv / chip.bf16_flops_per_s,
+                  self.hbm_bytes() / chip.hbm_bytes_per_s) * 1e6
+    return dict(hand_mxu_flops=mxu, hand_us=hand_us,
+                hand_count=f"32 heads x {run} diagonal-or-below {self.block}^2 blocks x "
+                           f"4*{self.block}^2*128 flops at bf16 peak"
+                           + (" (p@v in f32 counted as 3 bf16 passes)"
+                              if self.kind == "splash" else "")
+                           + f"; {steps} grid steps per head")
+
+
+# ----------------------------------------------------------------------------------------
+# paged attention (jax)
+
+
+PAGED_TRUNCATED_BATCH = (2, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAnchor:
+  context: int
+  pages_per_compute_block: int = 8
+
+  @property
+  def case(self):
+    return headline.PagedDecode(self.context)
+
+  @property
+  def key(self) -> str:
+    return f"paged:{self.context}:{self.pages_per_compute_block}"
+
+  @property
+  def implementation(self) -> str:
+    return (f"jax paged_attention (jax {_jax().__version__}, pages_per_compute_block "
+            f"{self.pages_per_compute_block}, inline_seq_dim)")
+
+  truncations = tuple([b] for b in PAGED_TRUNCATED_BATCH)
+
+  @property
+  def method(self) -> str:
+    return (f"static estimate at batch {PAGED_TRUNCATED_BATCH[0]} and "
+            f"{PAGED_TRUNCATED_BATCH[1]} (static-length variant), extrapolated linearly to 64")
+
+  @property
+  def note(self) -> str:
+    return ("Static-length variant: the kernel reads the context length as a constant (its "
+            "loop count lax.div(length + bk - 1, bk) of an SMEM value is mis-evaluated by the "
+            "estimator); page-table reads max(value, identity). Its double-buffer index and "
+            "init flag live in SMEM scratch carried across grid steps (the estimator loses "
+            "them: each step sees 0). q, k computed in f32 (its own choice). "
+            "k/v pages in its [Hkv, pages, page, D] layout.")
+
+  def config(self) -> dict:
+    return dict(pages_per_compute_block=self.pages_per_compute_block,
+                page_size=self.case.page_size, megacore_mode=None, inline_seq_dim=True,
+                block_tokens=self.pages_per_compute_block * self.case.page_size)
+
+  def validate(self) -> None:
+    pass
+
+  def build(self, trunc):
+    (batch,) = trunc
+    jax = _jax()
+    import jax.numpy as jnp
+    import numpy as np
+    P = _module("paged_attention.paged_attention_kernel")
+    c = self.case
+    pages_per_seq = c.context // c.page_size
+    total_pages = batch * pages_per_seq
+    length = np.int32(c.context)
+    forms = (("const", lambda b: length), lambda idx: idx, None, None)
+
+    def fn(q, k_pages, v_pages, page_indices):
+      with visible_prefetch(P, forms):
+        return P.paged_attention(q, k_pages, v_pages, jnp.full((batch,), c.context, jnp.int32),
+                                 page_indices,
+                                 pages_per_compute_block=self.pages_per_compute_block)
+    S = jax.ShapeDtypeStruct
+    return fn, [S((batch, c.q_heads, c.head_dim), jnp.bfloat16),
+                S((c.kv_heads, total_pages, c.page_size, c.head_dim), jnp.bfloat16),
+                S((c.kv_heads, total_pages, c.page_size, c.head_dim), jnp.bfloat16),
+                S((batch, pages_per_seq), jnp.int32)]
+
+  def extrapolate(self, cycles: dict) -> float:
+    (b1, b2) = PAGED_TRUNCATED_BATCH
+    k1, k2 = cycles[json.dumps([b1])], cycles[json.dumps([b2])]
+    return k1 + (k2 - k1) / (b2 - b1) * (self.case.batch - b1)
+
+  def hbm_bytes(self, batch: int | None = None) -> int:
+    """Every (sequence, kv head) loads ceil(L / bk) blocks of k and v pages (the next block is
+    prefetched once, never twice); q read and o written once; m, l (f32 [B, Hq, 1]) written."""
+    c = self.case
+    batch = c.batch if batch is None else batch
+    bk = self.pages_per_compute_block * c.page_size
+    blocks = -(-c.context // bk)
+    kv = 2 * batch * c.kv_heads * blocks * bk * c.head_dim * 2
+    return kv + 2 * batch * c.q_heads * c.head_dim * 2 + 2 * batch * c.q_heads * 4
+
+  def hand(self, chip) -> dict:
+    c = self.case
+    hbm_us = self.hbm_bytes() / chip.hbm_bytes_per_s * 1e6
+    return dict(hand_us=hbm_us, hand_count="k/v pages once at HBM bandwidth (decode is "
+                "memory bound: 4*B*Hq*L*D flops are tiny)")
+
+
+def _rpa_rate(case_name: str, chip: str) -> dict:
+  """ragged_paged_attention: not rated; the row says why."""
+  return dict(
+      compiled=False, estimated_cycles=None, hbm_bytes=None,
+      error=("not rated: its sequence loop is a lax.while_loop over num_seqs / cu_q_lens / "
+             "kv_lens in SMEM and its page count is pl.cdiv(kv_lens_ref[s], page_size) "
+             "(a run-time division the estimator mis-evaluates); making it visible needs a "
+             "static-length rewrite of both while loops, not done in this time box"),
+      method="none", note="jax ragged_paged_attention (fused K/V pages [pages, page, 2*Hkv, D])",
+      config=dict())
+
+
+# ----------------------------------------------------------------------------------------
+# The list.
+
+
+def _specs_list():
+  out = []
+  for m in (512, 8192):
+    for part in ("gate_up+silu", "down"):
+      for tiling in ("default", "512x1024x1024"):
+        out.append(GmmAnchor(m, part, tiling))
+  for seq in (4096, 32768):
+    for block in (128, 512):
+      out += [AttentionAnchor(seq, "flash", block), AttentionAnchor(seq, "splash", block)]
+  for ctx in (2048, 32768):
+    out.append(PagedAnchor(ctx))
+  return out
+
+
+@functools.cache
+def _SPECS():
+  return {s.key: s for s in _specs_list()}
+
+
+def anchors() -> list[Anchor]:
+  out = [Anchor(s.case.name, s.implementation, functools.partial(_rate, s))
+         for s in _specs_list()]
+  for ctx in (2048, 32768):
+    name = headline.PagedDecode(ctx).name
+    out.append(Anchor(name, f"jax ragged_paged_attention (jax {_jax().__version__})",
+                      functools.partial(_rpa_rate, name)))
+  return out
+
+
+NO_ANCHOR = {
+    "rms_norm": "jax ships no Pallas RMSNorm kernel (jax.experimental.pallas.ops.tpu has none); "
+                "the XLA jnp baseline is rated by estimate.py",
+}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--chips", nargs="+", default=["v5e", "v6e"])
+  parser.add_argument("--cases", help="only anchors whose case or implementation contains this")
+  parser.add_argument("--out", type=Path, help="also write the rows here (jsonl)")
+  parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.child:
+    profile_dir = tempfile.mkdtemp(prefix="anchor_llo_profile_")
+    os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
+                                      f" --xla_jf_dump_static_llo_profile_to={profile_dir}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    _child_main(*args.child)
+    return 0
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from tpu_kernels import chips
+  rows = []
+  for anchor in anchors():
+    if args.cases and args.cases not in anchor.case and args.cases not in anchor.implementation:
+      continue
+    for chip in args.chips:
+      start = time.time()
+      row = dict(case=anchor.case, implementation=anchor.implementation, chip=chip,
+                 **anchor.rate(chip))
+      c = chips.get_chip(chip)
+      if row.get("estimated_cycles"):
+        row["compute_us"] = row["estimated_cycles"] / c.clock_hz * 1e6
+        row["hbm_us"] = row["hbm_bytes"] / c.hbm_bytes_per_s * 1e6
+        row["predicted_us"] = max(row["compute_us"], row["hbm_us"])
+      row["rate_seconds"] = round(time.time() - start, 1)
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+      if args.out:
+        with open(args.out, "a") as f:
+          f.write(json.dumps(row) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,130 @@
+"""benchmarks/anchors.py: jax's own Pallas kernels as anchors (fast checks only: no static
+profile compiles; the estimates themselves come from `python benchmarks/anchors.py`)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "kernels"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import anchors  # noqa: E402
+import headline  # noqa: E402
+
+
+def test_every_anchor_names_a_headline_case():
+  names = {c.name for c in headline.HEADLINE}
+  listed = anchors.anchors()
+  assert listed and all(a.case in names for a in listed)
+  rated = {a.case for a in listed}
+  # every headline case but RMSNorm has an anchor; RMSNorm has none in jax (said so)
+  assert {c.name for c in headline.HEADLINE if not isinstance(c, headline.RmsNorm)} <= rated
+  assert "rms_norm" in anchors.NO_ANCHOR
+
+
+@pytest.mark.parametrize("m", [512, 8192])
+@pytest.mark.parametrize("tm", [128, 512])
+def test_gmm_closed_form_equals_make_group_metadata(m, tm):
+  anchors.GmmClosedForm(m, 128, tm).check()
+
+
+@pytest.mark.parametrize("tiling", ["default", "512x1024x1024"])
+def test_gmm_tilings_of_the_headline_cases(tiling):
+  for m in (512, 8192):
+    for part in ("gate_up+silu", "down"):
+      a = anchors.GmmAnchor(m, part, tiling)
+      tm, tk, tn = a.tiling
+      assert m % tm == 0 and a.case.k % tk == 0 and a.case.n_weight % tn == 0
+      assert tk % 128 == 0 and tn % 128 == 0
+
+
+def test_gmm_hbm_replay_equals_brute_force_on_real_metadata():
+  """The replay through the closed form equals a replay through megablox's own metadata."""
+  gmm_mod = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+  a = anchors.GmmAnchor(256, "down", "default", groups=8)
+  tm, tk, tn = a.tiling
+  c = a.case
+  sizes = jnp.full((8,), 256 // 8, jnp.int32)
+  (_, gids, mtiles), num = gmm_mod.make_group_metadata(
+      group_sizes=sizes, m=256, tm=tm, start_group=jnp.int32(0), num_nonzero_groups=8,
+      visit_empty_groups=False)
+  gids, mtiles, num = np.asarray(gids), np.asarray(mtiles), int(num)
+  moved, last = 0, {}
+  for j in range(c.n_weight // tn):
+    for v in range(num):
+      for kk in range(c.k // tk):
+        for name, idx, nbytes in (("lhs", (mtiles[v], kk), tm * tk * 2),
+                                  ("rhs", (gids[v], kk, j), tk * tn * 2),
+                                  ("out", (mtiles[v], j), tm * tn * 2)):
+          if last.get(name) != idx:
+            moved += nbytes
+            last[name] = idx
+  assert num == a.closed_form.num_tiles
+  assert a.hbm_bytes() == moved
+
+
+@pytest.mark.parametrize("kind", ["flash", "splash"])
+def test_attention_hbm_per_head_equals_full_replay(kind):
+  a = anchors.AttentionAnchor(512, kind, block=128)
+  c, nq, blk = a.case, a.nq, 128 * 128 * 2
+  group = c.q_heads // c.kv_heads
+  moved, last = 0, {}
+  for h in range(c.q_heads):
+    kv_head = h if kind == "flash" else h // group   # flash: k / v repeated to all heads
+    for i in range(nq):
+      for j in range(nq):
+        kv = (kv_head, j if j <= i else 0)
+        for name, idx in (("q", (h, i)), ("k", kv), ("v", kv), ("o", (h, i))):
+          if last.get(name) != idx:
+            moved += blk
+            last[name] = idx
+  repeat = 2 * (c.kv_heads + c.q_heads) * a.seq * c.head_dim * 2 if kind == "flash" else 0
+  assert a.hbm_bytes() == moved + repeat
+
+
+def test_splash_causal_closed_form_equals_process_mask():
+  anchors.AttentionAnchor(1024, "splash").validate()
+
+
+def test_attention_row_fit_is_exact_for_a_model():
+  a = anchors.AttentionAnchor(32768, "flash")
+  model = lambda rows: 7 + 11 * rows + 13 * anchors._causal_rows(rows, a.nq)[0]
+  cycles = {f"[1, {r}]": model(r) for r in (2, 4, 8)}
+  assert a.fit_rows(cycles) == pytest.approx(model(a.nq))
+
+
+def test_kernel_cycles_reads_multiline_instructions():
+  text = ('  %a = f32[8] custom-call(%x), custom_call_target="tpu_custom_call", backend_config='
+          '{"x":"line one\n line two"}, "bundle_analysis_data":{"estimated_cycles":"1234"}\n'
+          '  %b = f32[8] add(%a, %a)\n'
+          '  ROOT %c = f32[8] custom-call(%b), custom_call_target="tpu_custom_call", '
+          '"estimated_cycles":"66"\n')
+  assert anchors._kernel_cycles(text) == (1300, 2)
+
+
+def test_paged_hbm_counts_every_page_once():
+  a = anchors.PagedAnchor(2048)
+  c = a.case
+  assert a.hbm_bytes() == (2 * c.batch * c.kv_heads * c.context * c.head_dim * 2
+                           + 2 * c.batch * c.q_heads * c.head_dim * 2 + 2 * c.batch * c.q_heads * 4)
+
+
+@pytest.mark.parametrize("key,trunc", [("gmm:512:down:default:128", [2]),
+                                       ("attn:splash:4096:128", [1, 2]),
+                                       ("paged:2048:8", [1])])
+def test_anchor_compiles_for_v6e(key, trunc):
+  """The visible-metadata builds compile ahead of time for v6e (plain compile: no profile)."""
+  pytest.importorskip("jax.experimental.topologies")
+  spec = anchors._SPECS()[key]
+  fn, specs = spec.build(trunc)
+  compiled = anchors._compile(fn, specs, "v6e")
+  assert 'custom_call_target="tpu_custom_call"' in compiled.as_text()
