@@ -1,0 +1,157 @@
+"""The headline cases: the shapes every performance number in this project is quoted at.
+
+One home for them, so that the static estimator (`estimate.py`), the anchors measured
+beside our kernels (`anchors.py`) and the wall-clock benchmark for a real TPU
+(`wallclock.py`) all rate the same thing under the same name. Pure data and arithmetic:
+no jax import, no side effects.
+
+    flops      multiply-adds counted as 2 (attention: QK^T and PV; causal halves them)
+    min_bytes  every operand read once and every result written once (the roofline's bytes)
+    bound      "memory" or "compute": which target of issue 6 applies (0.85 / 0.75)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+ITEMSIZE = {"bfloat16": 2, "float32": 4, "int8": 1, "float8_e4m3fn": 1}
+TARGET_EFFICIENCY = {"memory": 0.85, "compute": 0.75}
+
+
+@dataclasses.dataclass(frozen=True)
+class RmsNorm:
+  rows: int
+  hidden: int
+  dtype: str = "bfloat16"
+  kernel = "rms-norm-tpu"
+
+  @property
+  def name(self) -> str:
+    return f"rms_norm bf16[{self.rows},{self.hidden}]"
+
+  bound = "memory"
+
+  def flops(self) -> int:
+    return 4 * self.rows * self.hidden
+
+  def min_bytes(self) -> int:
+    return (2 * self.rows * self.hidden + self.hidden) * ITEMSIZE[self.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmul:
+  """One projection of a MoE layer's experts: lhs [m, k] routed to `groups` experts
+  (balanced: m / groups rows each), weights [groups, k, n] (gate_up: n = 2 * width,
+  silu(gate) * up in the epilogue, output [m, width])."""
+
+  m: int
+  part: str                 # "gate_up+silu" or "down"
+  groups: int = 128         # Qwen3-30B-A3B: 128 experts, hidden 2048, expert width 768
+  hidden: int = 2048
+  width: int = 768
+  dtype: str = "bfloat16"
+  kernel = "ragged-dot-tpu"
+
+  @property
+  def name(self) -> str:
+    return f"ragged_dot Qwen3-30B-A3B {self.part} bf16 m={self.m}"
+
+  @property
+  def bound(self) -> str:
+    # Decode-size batches read every expert's weights for a few rows each.
+    return "memory" if self.m <= 1024 else "compute"
+
+  @property
+  def k(self) -> int:
+    return self.hidden if self.part == "gate_up+silu" else self.width
+
+  @property
+  def n_weight(self) -> int:
+    return 2 * self.width if self.part == "gate_up+silu" else self.hidden
+
+  @property
+  def n_out(self) -> int:
+    return self.width if self.part == "gate_up+silu" else self.hidden
+
+  def flops(self) -> int:
+    return 2 * self.m * self.k * self.n_weight
+
+  def min_bytes(self) -> int:
+    s = ITEMSIZE[self.dtype]
+    return (self.m * self.k + self.groups * self.k * self.n_weight + self.m * self.n_out) * s
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+  """Causal self-attention, q [B, S, Hq, D], k / v [B, S, Hkv, D], one forward pass."""
+
+  seq: int
+  batch: int = 1
+  q_heads: int = 32
+  kv_heads: int = 8
+  head_dim: int = 128
+  dtype: str = "bfloat16"
+  kernel = "flash-attention-tpu"
+  bound = "compute"
+
+  @property
+  def name(self) -> str:
+    return (f"flash_attention causal B={self.batch} H={self.q_heads}/{self.kv_heads} "
+            f"S={self.seq} D={self.head_dim} bf16")
+
+  def flops(self) -> int:
+    # QK^T and PV, 2 flops per multiply-add each, over the causal half (plus the diagonal).
+    visible = self.seq * (self.seq + 1) // 2
+    return 4 * self.batch * self.q_heads * visible * self.head_dim
+
+  def min_bytes(self) -> int:
+    tokens = self.batch * self.seq * self.head_dim
+    return (2 * tokens * self.q_heads + 2 * tokens * self.kv_heads) * ITEMSIZE[self.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedDecode:
+  """One decode step: `batch` sequences of `context` cached tokens, one new query token
+  each; caches in pages of `page_size` tokens."""
+
+  context: int
+  batch: int = 64
+  q_heads: int = 32
+  kv_heads: int = 8
+  head_dim: int = 128
+  page_size: int = 64
+  kv_dtype: str = "bfloat16"
+  q_dtype: str = "bfloat16"
+  kernel = "paged-attention-tpu"
+  bound = "memory"
+
+  @property
+  def name(self) -> str:
+    return (f"paged_attention decode B={self.batch} H={self.q_heads}/{self.kv_heads} D={self.head_dim} "
+            f"ctx={self.context} page={self.page_size} "
+            + ("bf16" if self.kv_dtype == "bfloat16" else f"cache {self.kv_dtype}"))
+
+  def flops(self) -> int:
+    return 4 * self.batch * self.q_heads * self.context * self.head_dim
+
+  def min_bytes(self) -> int:
+    kv = 2 * self.batch * self.kv_heads * self.context * self.head_dim * ITEMSIZE[self.kv_dtype]
+    q_out = 2 * self.batch * self.q_heads * self.head_dim * ITEMSIZE[self.q_dtype]
+    return kv + q_out
+
+
+HEADLINE = (
+    RmsNorm(8192, 4096), RmsNorm(8, 4096),
+    GroupedMatmul(512, "gate_up+silu"), GroupedMatmul(512, "down"),
+    GroupedMatmul(8192, "gate_up+silu"), GroupedMatmul(8192, "down"),
+    Attention(4096), Attention(32768),
+    PagedDecode(2048), PagedDecode(32768),
+)
+
+
+def by_name(name: str):
+  """The headline case called `name` (KeyError naming the known ones otherwise)."""
+  for case in HEADLINE:
+    if case.name == name:
+      return case
+  raise KeyError(f"no headline case {name!r}; known: {[c.name for c in HEADLINE]}")
