@@ -389,43 +389,44 @@ def _kernel(*refs, st: _Static):
   num_rows_used = _item(st, rows_ref, item, "rows")
   run = (num_rows_used > 0) & (block <= _item(st, last_block_ref, item, "last_block"))
 
-  @pl.when(run)
-  def _compute():
+  def _compute(masked: bool):
     dtype = q_ref.dtype
-    kv_len = _item(st, kv_len_ref, item, "kv_len")
-    q_pos0 = _item(st, q_pos_ref, item, "q_pos")
-    key0 = block * bkv
-    # The masks are the same for every KV head: built once per step.
-    # Only keys in [first_key, last_key] are visible to any row of the item. Slots
-    # outside hold a repeated page or cache slots past the sequence's length, which may
-    # be garbage (NaN): p = 0 there, but 0 * NaN is NaN, so their values are zeroed.
-    last_key = q_pos0 + num_rows_used - 1
-    key_rows = key0 + lax.broadcasted_iota(jnp.int32, (bkv, head_dim), 0)
-    needed = key_rows <= last_key
-    if st.sliding_window is not None:
-      needed = needed & (key_rows > q_pos0 - st.sliding_window)
-    row = lax.broadcasted_iota(jnp.int32, (num_rows, bkv), 0)
-    token = row & (st.block_q - 1) if st.block_q > 1 else jnp.zeros_like(row)
-    q_pos = q_pos0 + token
-    key = key0 + lax.broadcasted_iota(jnp.int32, (num_rows, bkv), 1)
-    visible = key <= jnp.minimum(q_pos, kv_len - 1)
-    if st.sliding_window is not None:
-      visible = visible & (q_pos - key < st.sliding_window)
+    if masked:
+      kv_len = _item(st, kv_len_ref, item, "kv_len")
+      # The masks are the same for every KV head: built once per step.
+      # Only keys in [first_key, last_key] are visible to any row of the item. Slots
+      # outside hold a repeated page or cache slots past the sequence's length, which
+      # may be garbage (NaN): p = 0 there, but 0 * NaN is NaN, so their values are zeroed.
+      key_rows = key0 + lax.broadcasted_iota(jnp.int32, (bkv, head_dim), 0)
+      needed = key_rows <= last_key
+      if st.sliding_window is not None:
+        needed = needed & (key_rows > q_pos0 - st.sliding_window)
+      row = lax.broadcasted_iota(jnp.int32, (num_rows, bkv), 0)
+      token = row & (st.block_q - 1) if st.block_q > 1 else jnp.zeros_like(row)
+      q_pos = q_pos0 + token
+      key = key0 + lax.broadcasted_iota(jnp.int32, (num_rows, bkv), 1)
+      visible = key <= jnp.minimum(q_pos, kv_len - 1)
+      if st.sliding_window is not None:
+        visible = visible & (q_pos - key < st.sliding_window)
 
     def head_step(h, carry):
       heads = _slice(h, num_rows)       # this KV head's q rows
       page_rows = _slice(h, ps)         # its part of each page block
       k = jnp.concatenate([r[page_rows, :].astype(dtype) for r in k_refs], axis=0)  # (bkv, D)
       v = jnp.concatenate([r[page_rows, :].astype(dtype) for r in v_refs], axis=0)
-      v = jnp.where(needed, v, jnp.zeros_like(v))
+      if masked:
+        v = jnp.where(needed, v, jnp.zeros_like(v))
       s = lax.dot_general(q_ref[heads, :], k, _NT, preferred_element_type=jnp.float32)
       s = s * (st.sm_scale * scales_ref[0, h] if st.quantized else st.sm_scale)
       if st.soft_cap is not None:
         s = st.soft_cap * jnp.tanh(s * (1.0 / st.soft_cap))
-      s = jnp.where(visible, s, _MASK_VALUE)
+      if masked:
+        s = jnp.where(visible, s, _MASK_VALUE)
       m_prev = m_ref[heads, :]                                  # (rows, 128), lanes equal
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-      p = jnp.where(visible, jnp.exp(s - _lanes(m_new, bkv)), 0.0)
+      p = jnp.exp(s - _lanes(m_new, bkv))
+      if masked:
+        p = jnp.where(visible, p, 0.0)
       alpha = jnp.exp(m_prev - m_new)
       l_ref[heads, :] = alpha * l_ref[heads, :] + jnp.sum(p, axis=1, keepdims=True)
       acc_ref[heads, :] = _lanes(alpha, head_dim) * acc_ref[heads, :] + lax.dot_general(
@@ -438,6 +439,18 @@ def _kernel(*refs, st: _Static):
         head_step(h, 0)
     else:
       lax.fori_loop(0, num_kv_heads, head_step, 0)
+
+  # A block every row sees whole (every key at or before the item's first query
+  # position, and inside the window of its last) runs the body without masks: no iotas,
+  # compares or selects. Decode items at long contexts are almost all such blocks.
+  q_pos0 = _item(st, q_pos_ref, item, "q_pos")
+  key0 = block * bkv
+  last_key = q_pos0 + num_rows_used - 1
+  whole = key0 + bkv - 1 <= q_pos0
+  if st.sliding_window is not None:
+    whole = whole & (key0 > last_key - st.sliding_window)
+  pl.when(run & whole)(lambda: _compute(False))
+  pl.when(run & jnp.logical_not(whole))(lambda: _compute(True))
 
   @pl.when(step == pl.num_programs(1) - 1)
   def _finish():
