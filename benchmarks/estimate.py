@@ -1,35 +1,44 @@
 """Static performance estimates from the TPU compiler's own cycle count (no TPU needed).
 
-    python benchmarks/estimate.py [--chips v5e v6e] [--quick] [--out benchmarks/results]
+    python benchmarks/estimate.py [--chips v5e v6e] [--quick] [--cases SUBSTR ...]
+                                  [--no-anchors] [--out benchmarks/results]
 
-Each case is compiled ahead of time with libtpu's static LLO profile switched on; every
-op of the compiled program then carries `estimated_cycles`. Because that estimate
-does not cap HBM bandwidth, the prediction is
+Every headline case (`benchmarks/headline.py`) is rated for each chip, for our kernel,
+the XLA-native baseline and jax's own Pallas kernels (`benchmarks/anchors.py`), in one
+run. A Pallas program is compiled ahead of time with libtpu's static LLO profile on;
+each op of the compiled program then carries `estimated_cycles`. That estimate does not
+cap HBM bandwidth, so
 
     predicted_us = max(cycles / clock, hbm_bytes / hbm_bandwidth)
+    roofline_us  = max(flops / peak, min_bytes / hbm_bandwidth)     (headline.py)
+    efficiency   = roofline_us / predicted_us
 
-where hbm_bytes counts every block the kernel's grid fetches or writes back (for
-RMSNorm each row block once, the weight once: the operand and result sizes). The
-roofline is max(flops / peak, minimum bytes / bandwidth); efficiency = roofline /
-prediction. The XLA baseline (plain jnp RMSNorm) is estimated the same way.
-These are static estimates, not measurements: nothing here ran on a TPU.
+where hbm_bytes counts every block the grid really fetches or writes back. These are
+static estimates, not measurements: nothing here ran on a TPU.
 
-Grouped matmul (ragged-dot-tpu, Qwen3-30B-A3B gate/up and down, balanced routing): the
-kernel's visit table lives in SMEM, which the estimator reads as zeros, so the kernel is
-built with a static visit count and its table made visible (benchmarks/ragged_estimate.py).
-Its estimator time grows faster than linearly with grid steps, so each case is estimated at
-two truncated visit counts (4 and 8 visits, identical per-visit work) and the kernel's
-cycles extrapolated linearly to the real count (exactly linear where checked: 4, 8, 16).
-The kernel takes the visit table as an input. The small scalar-core kernel that builds it
-from group_sizes (group_metadata) is not rated: the estimator crashes on its loops (stack
-overflow in its evaluator). It is one launch walking G_total + 2 G_local groups and writing
-7 words per visit to SMEM, so it is left out of the prediction (each row says so).
-(Built from XLA ops instead, the table cost ~30 small ops, 80-101k cycles on v6e.)
-The XLA baseline jax.lax.ragged_dot crashes the estimator (SIGSEGV), so it is rated by
-XLA's own cost_analysis()["optimal_seconds"], compiled in a subprocess without the flag.
+How each implementation is rated (the details and checks live in each module):
 
-Writes <out>/estimates.jsonl and <out>/estimates.md. (Issue 6 grows this into the
-full estimator: anchors, autotuning, charts.)
+  rms_norm         the whole program, as compiled (ours and plain-jnp XLA alike).
+  ragged_dot       `ragged_estimate.py`: the kernel's SMEM visit table made visible to the
+                   estimator, cycles extrapolated from 4 and 8 visits; the small kernel
+                   that builds the table is not rated (the estimator crashes on it).
+  flash_attention  `attention_estimate.py`: the GQA kernel's MHA program at the same
+                   tiling (3-D blocks rate at 0), extrapolated in heads and, past
+                   S=8192, per visited tile.
+  paged_attention  `paged_estimate.py`: per-item values made visible, extrapolated from
+                   truncated batches (and, past 4k, contexts).
+  XLA baselines    plain jnp RMSNorm by the same estimator; `jax.lax.ragged_dot`,
+                   `jax.nn.dot_product_attention` and the gathering paged attention by
+                   XLA's own `cost_analysis()` (optimal_seconds, bytes accessed): the
+                   estimator crashes on ragged_dot and takes >300 s / 19 GB on attention.
+  anchors          `anchors.py` (its own subprocesses).
+
+Each of ours is rated in a child process (`--child`): the estimator can abort the
+process (libtpu 0.0.42 on the paged kernel for v5e) and its memory grows per compile.
+A failed rating is a row with its error, never a crash.
+
+Writes <out>/estimates.jsonl, <out>/estimates.md (the table every kernel card and the
+README quote) and <out>/estimates.png.
 """
 
 from __future__ import annotations
@@ -43,271 +52,371 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "kernels"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 # The static profile must be requested before libtpu loads, i.e. before jax is imported.
-# (Not in the subprocess that rates XLA's ragged_dot by cost_analysis: the flag crashes it.)
+# (Not in the children that rate XLA by cost_analysis: the flag crashes ragged_dot.)
 if os.environ.get("ESTIMATE_STATIC_PROFILE", "1") == "1":
   _PROFILE_DIR = tempfile.mkdtemp(prefix="static_llo_profile_")
   os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
                                     f" --xla_jf_dump_static_llo_profile_to={_PROFILE_DIR}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from tpu_kernels import aot, chips, rms_norm  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import attention_estimate  # noqa: E402
+import headline  # noqa: E402
+import paged_estimate  # noqa: E402
 import ragged_estimate  # noqa: E402
 
-S = jax.ShapeDtypeStruct
+OURS, XLA, ANCHOR = "ours", "xla", "anchor"
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-  kernel: str
-  name: str
-  implementation: str                  # "pallas" or "xla"
-  build: Callable[[str], tuple[Callable, list]]   # chip -> (fn, arg specs)
-  hbm_bytes: int                        # bytes the grid really moves
-  min_bytes: int                        # operands + results once
-  flops: int
+class Implementation:
+  """One implementation of one headline case. `rate(chip)` returns the partial row:
+  compiled, error, estimated_cycles (None for cost_analysis rows), hbm_bytes, method,
+  and optionally compute_us (cost_analysis), note, tiling / config."""
+
+  case: str
+  implementation: str
+  source: str                      # OURS, XLA or ANCHOR
+  rate: Callable[[str], dict]
+  static_profile: bool = True      # the child process needs the profile flag
 
 
-def _nbytes(shape, dtype) -> int:
-  return int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+# ------------------------------------------------------------------------ rating: ours
 
 
-def rms_norm_cases(rows: int, hidden: int, dtype=jnp.bfloat16) -> list[Case]:
-  x, w = S((rows, hidden), dtype), S((hidden,), dtype)
-  moved = 2 * _nbytes((rows, hidden), dtype) + _nbytes((hidden,), dtype)
-  flops = 4 * rows * hidden
-  label = f"rms_norm bf16[{rows},{hidden}]" if dtype == jnp.bfloat16 else \
-      f"rms_norm {jnp.dtype(dtype).name}[{rows},{hidden}]"
-
-  def pallas(chip):
-    return functools.partial(rms_norm.rms_norm, chip=chip), [x, w]
-
-  def xla(chip):
-    return rms_norm.rms_norm_reference, [x, w]
-
-  return [Case("rms-norm-tpu", label, "pallas", pallas, moved, moved, flops),
-          Case("rms-norm-tpu", label, "xla (jnp)", xla, moved, moved, flops)]
+def _whole_program(build: Callable[[str], tuple], case, chip: str) -> dict:
+  fn, specs = build(chip)
+  report = aot.compile_for_chip(fn, specs, chip)
+  if not report.ok:
+    return dict(compiled=False, error=report.error)
+  return dict(compiled=True, error=None, estimated_cycles=report.estimated_cycles,
+              hbm_bytes=case.min_bytes(), method="static estimate of the whole program")
 
 
-@dataclasses.dataclass(frozen=True)
-class RaggedCase:
-  """A grouped-matmul forward at balanced routing; `estimate_ragged` rates it per chip."""
+def _xla_cost(build: Callable[[], tuple], chip: str) -> dict:
+  """XLA's own cost model for a plain XLA program (no Mosaic kernel)."""
+  fn, specs = build()
+  device = aot.topology_device(chip)
+  try:
+    compiled = jax.jit(fn).trace(*[aot._on_device(s, device) for s in specs]).lower().compile()
+  except Exception as e:  # noqa: BLE001  (the compiler's verdict is the row)
+    return dict(compiled=False, error=f"{type(e).__name__}: {str(e).strip()[:300]}")
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  row = dict(compiled=True, error=None, estimated_cycles=None,
+             hbm_bytes=int(cost["bytes accessed"]), xla_flops=float(cost["flops"]),
+             method="XLA cost_analysis (optimal_seconds, bytes accessed)")
+  optimal = float(cost["optimal_seconds"])
+  if optimal > 0:
+    row["compute_us"] = optimal * 1e6
+  else:   # seen for the gathering paged attention: negative optimal_seconds
+    row["compute_us"] = float(cost["flops"]) / chips.get_chip(chip).bf16_flops_per_s * 1e6
+    row["method"] = (f"XLA cost_analysis: its optimal_seconds is invalid ({optimal:.3g}), so "
+                     "its flops at peak and its bytes accessed at full bandwidth (a lower "
+                     "bound for XLA)")
+  return row
 
-  kernel: str
-  name: str
-  implementation: str     # "pallas" or "xla (lax.ragged_dot)"
-  gmm: Callable[[str], ragged_estimate.GmmCase]   # chip -> the case with the chip's tiling
 
-
-QWEN3 = dict(groups=128, hidden=2048, width=768)   # Qwen3-30B-A3B experts
 TRUNCATED_VISITS = (4, 8)
 
 
-def ragged_dot_cases(m: int) -> list[RaggedCase]:
-  g, h, i = QWEN3["groups"], QWEN3["hidden"], QWEN3["width"]
-  out = []
-  for label, k, n_out, gated in ((f"gate_up+silu bf16 m={m}", h, i, True),
-                                 (f"down bf16 m={m}", i, h, False)):
-    name = f"ragged_dot Qwen3-30B-A3B {label}"
-    gmm = functools.partial(ragged_estimate.GmmCase, m, g, k, n_out, gated)
-    out += [RaggedCase("ragged-dot-tpu", name, "pallas", lambda chip, gmm=gmm: gmm(chip=chip)),
-            RaggedCase("ragged-dot-tpu", name, "xla (lax.ragged_dot)",
-                       lambda chip, gmm=gmm: gmm(chip=chip))]
+def _gmm(case: headline.GroupedMatmul, chip: str) -> ragged_estimate.GmmCase:
+  return ragged_estimate.GmmCase(case.m, case.groups, case.k, case.n_out,
+                                 case.part == "gate_up+silu", chip=chip)
+
+
+def _ragged_pallas(case: headline.GroupedMatmul, chip: str) -> dict:
+  """Kernel cycles extrapolated from truncated visit counts (identical per-visit work)."""
+  gmm = _gmm(case, chip)
+  t, table = gmm.tiling(), gmm.table()
+  table.check(num_k_tiles=-(-gmm.k // t.block_k))
+  rated = []
+  for visits in TRUNCATED_VISITS:
+    fn, specs = gmm.function(visits), gmm.specs()
+    text = jax.jit(fn).trace(*[aot._on_device(s, aot.topology_device(chip))
+                               for s in specs]).lower().compile().as_text()
+    rated.append(aot.kernel_estimated_cycles(text))
+  (v1, v2), (k1, k2) = TRUNCATED_VISITS, rated
+  per_visit = (k2 - k1) / (v2 - v1)
+  c = chips.get_chip(chip)
+  return dict(compiled=True, error=None,
+              estimated_cycles=round(k1 + per_visit * (table.num_visits - v1)),
+              hbm_bytes=gmm.hbm_bytes(),
+              method=f"static estimate at {TRUNCATED_VISITS} visits, extrapolated to "
+                     f"{table.num_visits}",
+              note="the small kernel that builds the visit table is not rated (the "
+                   "estimator crashes on its loops)",
+              cycles_per_visit=per_visit,
+              hand_cycles_per_visit=gmm.hand_cycles_per_visit(c.clock_hz, c.bf16_flops_per_s,
+                                                              c.hbm_bytes_per_s),
+              tiling=dict(block_m=t.block_m, block_k=t.block_k, block_n=t.block_n,
+                          vmem_limit_bytes=t.vmem_limit_bytes))
+
+
+def _paged_pallas(case: headline.PagedDecode, chip: str) -> dict:
+  r = paged_estimate.estimate(case, chip)
+  return dict(compiled=True, error=None, estimated_cycles=r["estimated_cycles"],
+              hbm_bytes=r["hbm_bytes"], method=r["method"],
+              tiling=dict(block_kv=r["block_kv"], pages_per_block=r["pages_per_block"]))
+
+
+def ours_and_xla(case) -> list[Implementation]:
+  name = case.name
+  if isinstance(case, headline.RmsNorm):
+    x = jax.ShapeDtypeStruct((case.rows, case.hidden), case.dtype)
+    w = jax.ShapeDtypeStruct((case.hidden,), case.dtype)
+    return [
+        Implementation(name, "pallas", OURS, functools.partial(_whole_program, lambda chip: (
+            functools.partial(rms_norm.rms_norm, chip=chip), [x, w]), case)),
+        Implementation(name, "xla (jnp)", XLA, functools.partial(_whole_program, lambda chip: (
+            rms_norm.rms_norm_reference, [x, w]), case)),
+    ]
+  if isinstance(case, headline.GroupedMatmul):
+    return [
+        Implementation(name, "pallas", OURS, functools.partial(_ragged_pallas, case)),
+        Implementation(name, "xla (lax.ragged_dot)", XLA, lambda chip: _xla_cost(
+            lambda: ragged_estimate.xla_function(_gmm(case, chip)), chip),
+            static_profile=False),
+    ]
+  if isinstance(case, headline.Attention):
+    return [
+        Implementation(name, "pallas", OURS, functools.partial(attention_estimate.estimate, case)),
+        Implementation(name, "xla (nn.dot_product_attention)", XLA, lambda chip: _xla_cost(
+            lambda: attention_estimate.xla_program(case), chip), static_profile=False),
+    ]
+  if isinstance(case, headline.PagedDecode):
+    return [
+        Implementation(name, "pallas", OURS, functools.partial(_paged_pallas, case)),
+        Implementation(name, "xla (gather + softmax)", XLA, lambda chip: _xla_cost(
+            lambda: paged_estimate.xla_program(case), chip), static_profile=False),
+    ]
+  raise TypeError(f"no rating for {type(case).__name__}")
+
+
+QUICK = (headline.RmsNorm(8, 4096),)
+
+
+def implementations(quick: bool, cases=None, with_anchors: bool = True) -> list[Implementation]:
+  chosen = QUICK if quick else headline.HEADLINE
+  if cases:
+    chosen = [c for c in chosen if any(s in c.name for s in cases)]
+  out = [impl for case in chosen for impl in ours_and_xla(case)]
+  if with_anchors and not quick:
+    import anchors   # only here: its import is light, its ratings run in subprocesses
+    names = {c.name for c in chosen}
+    out += [Implementation(a.case, a.implementation, ANCHOR, a.rate)
+            for a in anchors.anchors() if a.case in names]
   return out
 
 
-def all_cases(quick: bool, kernels=None) -> list:
-  if quick:
-    cases = rms_norm_cases(8, 4096)
-  else:
-    cases = [*rms_norm_cases(8192, 4096), *rms_norm_cases(8, 4096), *ragged_dot_cases(512),
-             *ragged_dot_cases(8192)]
-  return [c for c in cases if kernels is None or c.kernel in kernels]
+# ------------------------------------------------------------------------ the row
 
 
-def _kernel_cycles(hlo_text: str) -> int:
-  """The static estimate of the Mosaic kernels alone (their tpu_custom_call lines)."""
-  total = 0
-  for line in hlo_text.replace('\\"', '"').splitlines():
-    if 'custom_call_target="tpu_custom_call"' in line:
-      total += int(re.search(r'"estimated_cycles":"?(\d+)', line).group(1))
-  return total
+def finish_row(impl: Implementation, chip_name: str, partial: dict) -> dict:
+  """The full row: the rating plus predicted / roofline / efficiency / target."""
+  case = headline.by_name(impl.case)
+  chip = chips.get_chip(chip_name)
+  row = dict(kernel=case.kernel, case=impl.case, implementation=impl.implementation,
+             source=impl.source, chip=chip_name, bound=case.bound,
+             target=headline.TARGET_EFFICIENCY[case.bound],
+             roofline_us=max(case.flops() / chip.bf16_flops_per_s,
+                             case.min_bytes() / chip.hbm_bytes_per_s) * 1e6,
+             compiled=False, error=None)
+  row.update(partial)
+  cycles = row.get("estimated_cycles")
+  if cycles:
+    row["compute_us"] = cycles / chip.clock_hz * 1e6
+  if row.get("compute_us") is None or not row.get("hbm_bytes"):
+    row["error"] = row["error"] or "no estimate (estimated_cycles 0 or missing)"
+    return row
+  row["hbm_us"] = row["hbm_bytes"] / chip.hbm_bytes_per_s * 1e6
+  row["predicted_us"] = max(row["compute_us"], row["hbm_us"])
+  row["efficiency"] = row["roofline_us"] / row["predicted_us"]
+  return row
 
 
-def _compile_text(fn, specs, chip_name) -> str:
-  device = aot.topology_device(chip_name)
-  specs = [aot._on_device(s, device) for s in specs]
-  return jax.jit(fn).trace(*specs).lower().compile().as_text()
-
-
-def _child(mode: str, case: RaggedCase, chip_name: str, profile: bool) -> dict:
-  """Runs `_child_main` in a subprocess (the estimator may abort the process)."""
-  env = {**os.environ, "ESTIMATE_STATIC_PROFILE": "1" if profile else "0"}
+def _rate_in_child(impl: Implementation, chip: str) -> dict:
+  env = {**os.environ, "ESTIMATE_STATIC_PROFILE": "1" if impl.static_profile else "0"}
   env["LIBTPU_INIT_ARGS"] = re.sub(r"--xla_jf_dump_static_llo_profile_to=\S+", "",
                                    env.get("LIBTPU_INIT_ARGS", ""))
-  result = subprocess.run([sys.executable, __file__, "--child", mode, case.name, chip_name],
-                          capture_output=True, text=True, timeout=600, env=env)
+  try:
+    result = subprocess.run([sys.executable, __file__, "--child", impl.case,
+                             impl.implementation, chip],
+                            capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env)
+  except subprocess.TimeoutExpired:
+    return dict(compiled=False, error=f"rating took over {CHILD_TIMEOUT_S} s")
   if result.returncode:
     fatal = [l for l in result.stderr.splitlines() if re.match(r"F\d{4} ", l)] or \
         result.stderr.strip().splitlines()[-1:]
-    raise RuntimeError(f"exit {result.returncode}: {fatal[0][:300] if fatal else ''}")
+    return dict(compiled=False,
+                error=f"exit {result.returncode}: {fatal[0][:300] if fatal else ''}")
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _child_main(mode: str, name: str, chip_name: str) -> None:
-  """xla-cost: cost_analysis of XLA's ragged_dot (no profile flag: it crashes the
-  estimator)."""
-  assert mode == "xla-cost", mode
-  case = next(c for c in all_cases(False) if isinstance(c, RaggedCase) and c.name == name)
-  gmm = case.gmm(chip_name)
-  fn, specs = ragged_estimate.xla_function(gmm)
-  cost = jax.jit(fn).trace(*[aot._on_device(s, aot.topology_device(chip_name))
-                             for s in specs]).lower().compile().cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
-  print(json.dumps({k: float(cost[k]) for k in ("optimal_seconds", "bytes accessed",
-                                                 "flops")}))
+CHILD_TIMEOUT_S = 900
 
 
-def estimate_ragged(case: RaggedCase, chip_name: str) -> dict:
-  """Pallas: predicted = max(kernel cycles / clock, bytes the grid moves / HBM bandwidth)
-  (the visit-table kernel is not rated; noted in the row).
-  XLA: max(cost_analysis optimal_seconds, operand bytes / HBM bandwidth)."""
-  chip = chips.get_chip(chip_name)
-  gmm = case.gmm(chip_name)
-  row = dict(kernel=case.kernel, case=case.name, implementation=case.implementation,
-             chip=chip_name, compiled=False, error=None)
-  roofline_us = max(gmm.flops() / chip.bf16_flops_per_s,
-                    gmm.min_bytes() / chip.hbm_bytes_per_s) * 1e6
+def _child_main(case: str, implementation: str, chip: str) -> None:
+  impl = next(i for i in implementations(False, [case], with_anchors=False)
+              if i.case == case and i.implementation == implementation)
   try:
-    if case.implementation != "pallas":
-      cost = _child("xla-cost", case, chip_name, profile=False)
-      compute_us = cost["optimal_seconds"] * 1e6
-      hbm_us = gmm.min_bytes() / chip.hbm_bytes_per_s * 1e6   # each weight read once
-      predicted_us = max(compute_us, hbm_us)
-      row.update(compiled=True, estimated_cycles=None, method="cost_analysis optimal_seconds",
-                 xla_bytes_accessed=cost["bytes accessed"], compute_us=compute_us,
-                 hbm_bytes=gmm.min_bytes(), hbm_us=hbm_us, predicted_us=predicted_us,
-                 roofline_us=roofline_us, efficiency=roofline_us / predicted_us)
-      return row
-    t, table = gmm.tiling(), gmm.table()
-    table.check(num_k_tiles=-(-gmm.k // t.block_k))
-    visits = table.num_visits
-    kernel = []
-    for v in TRUNCATED_VISITS:
-      kernel.append(_kernel_cycles(_compile_text(gmm.function(v), gmm.specs(), chip_name)))
-  except Exception as e:  # noqa: BLE001  (a failed case is a row, not a crash)
-    row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-    return row
-  (v1, v2), (k1, k2) = TRUNCATED_VISITS, kernel
-  per_visit = (k2 - k1) / (v2 - v1)
-  kernel_cycles = round(k1 + per_visit * (visits - v1))
-  compute_us = kernel_cycles / chip.clock_hz * 1e6
-  hbm_bytes = gmm.hbm_bytes()
-  hbm_us = hbm_bytes / chip.hbm_bytes_per_s * 1e6
-  predicted_us = max(compute_us, hbm_us)
-  row.update(compiled=True, estimated_cycles=kernel_cycles,
-             method="static estimate, extrapolated",
-             kernel_cycles=kernel_cycles,
-             not_rated="the visit-table kernel (the estimator crashes on its loops)",
-             visits=visits,
-             truncated_visits=list(TRUNCATED_VISITS), truncated_kernel_cycles=kernel,
-             cycles_per_visit=per_visit,
-             hand_cycles_per_visit=gmm.hand_cycles_per_visit(chip.clock_hz,
-                                                             chip.bf16_flops_per_s,
-                                                             chip.hbm_bytes_per_s),
-             tiling=dict(block_m=t.block_m, block_k=t.block_k, block_n=t.block_n,
-                         vmem_limit_bytes=t.vmem_limit_bytes),
-             compute_us=compute_us, hbm_bytes=hbm_bytes, hbm_us=hbm_us,
-             predicted_us=predicted_us,
-             roofline_us=roofline_us, efficiency=roofline_us / predicted_us)
+    partial = impl.rate(chip)
+  except Exception as e:  # noqa: BLE001  (a failed rating is a row)
+    partial = dict(compiled=False, error=f"{type(e).__name__}: {str(e).strip()[:300]}")
+  print(json.dumps(partial))
+
+
+def rate(impl: Implementation, chip: str) -> dict:
+  start = time.time()
+  partial = impl.rate(chip) if impl.source == ANCHOR else _rate_in_child(impl, chip)
+  row = finish_row(impl, chip, partial)
+  row["rate_seconds"] = round(time.time() - start, 1)
   return row
 
 
-def estimate(case, chip_name: str) -> dict:
-  if isinstance(case, RaggedCase):
-    return estimate_ragged(case, chip_name)
-  chip = chips.get_chip(chip_name)
-  fn, specs = case.build(chip_name)
-  report = aot.compile_for_chip(fn, specs, chip_name)
-  row = dict(kernel=case.kernel, case=case.name, implementation=case.implementation,
-             chip=chip_name, compiled=report.ok, error=report.error)
-  if not report.ok or report.estimated_cycles is None:
-    return row
-  compute_us = report.estimated_cycles / chip.clock_hz * 1e6
-  hbm_us = case.hbm_bytes / chip.hbm_bytes_per_s * 1e6
-  predicted_us = max(compute_us, hbm_us)
-  roofline_us = max(case.flops / chip.bf16_flops_per_s, case.min_bytes / chip.hbm_bytes_per_s) * 1e6
-  row.update(estimated_cycles=report.estimated_cycles, compute_us=compute_us,
-             hbm_bytes=case.hbm_bytes, hbm_us=hbm_us, predicted_us=predicted_us,
-             roofline_us=roofline_us, efficiency=roofline_us / predicted_us)
-  return row
+# ------------------------------------------------------------------------ output
+
+
+def _us(x) -> str:
+  return "" if x is None else f"{x:,.2f}"
 
 
 def markdown(rows: list[dict]) -> str:
-  lines = ["| case | impl | chip | cycles | compute µs | HBM µs | predicted µs | roofline µs | efficiency |",
+  lines = ["| case | impl | chip | cycles | compute µs | HBM µs | predicted µs | roofline µs "
+           "| efficiency |",
            "|---|---|---|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     if "predicted_us" not in r:
-      lines.append(f"| {r['case']} | {r['implementation']} | {r['chip']} | failed: {r['error']} |||||")
+      lines.append(f"| {r['case']} | {r['implementation']} | {r['chip']} "
+                   f"| not rated: {r['error']} ||||||")
       continue
-    cycles = "cost_analysis" if r["estimated_cycles"] is None else f"{r['estimated_cycles']:,}"
+    cycles = "cost_analysis" if r.get("estimated_cycles") is None else \
+        f"{r['estimated_cycles']:,}"
     lines.append(f"| {r['case']} | {r['implementation']} | {r['chip']} | {cycles} "
-                 f"| {r['compute_us']:.2f} | {r['hbm_us']:.2f} | {r['predicted_us']:.2f} "
-                 f"| {r['roofline_us']:.2f} | {r['efficiency']:.2f} |")
-  ragged = [r for r in rows if r.get("kernel_cycles") is not None]
-  if ragged:
-    lines += ["", "Grouped matmul (Pallas) in detail: the kernel's cycles extrapolated from "
-              "truncated visit counts (4 and 8 visits; predicted = max(kernel, its HBM "
-              "bytes)), the small kernel that builds the visit table left out (the "
-              "estimator crashes on it), and the cycles per visit against "
-              "a hand count (max(MXU time, weight DMA time at the HBM bandwidth)). XLA rows: "
-              "cost_analysis optimal_seconds, weights in XLA's own (G, k, n) layout.", "",
-              "| case | chip | tiling bm x bk x bn | visits | kernel cycles "
-              "| cycles/visit | hand cycles/visit |",
-              "|---|---|---|---:|---:|---:|---:|"]
-    for r in ragged:
-      t = r["tiling"]
-      lines.append(f"| {r['case']} | {r['chip']} | {t['block_m']}x{t['block_k']}x{t['block_n']} "
-                   f"| {r['visits']} | {r['kernel_cycles']:,} "
-                   f"| {r['cycles_per_visit']:,.0f} | {r['hand_cycles_per_visit']:,.0f} |")
+                 f"| {_us(r['compute_us'])} | {_us(r['hbm_us'])} | {_us(r['predicted_us'])} "
+                 f"| {_us(r['roofline_us'])} | {r['efficiency']:.2f} |")
+  lines += ["", *targets(rows), "", "How each row was rated:", ""]
+  seen = set()
+  for r in rows:
+    key = (r["case"], r["implementation"], r["chip"])
+    if key in seen or not r.get("method"):
+      continue
+    seen.add(key)
+    extra = f" Not counted: {r['note']}." if r.get("note") else ""
+    lines.append(f"* {r['case']} / {r['implementation']} / {r['chip']}: {r['method']}.{extra}")
   return "\n".join(lines) + "\n"
+
+
+def targets(rows: list[dict]) -> list[str]:
+  """Our kernel against issue 6's targets and the best other implementation, per case."""
+  out = ["Targets (issue 6: efficiency >= 0.85 memory-bound, >= 0.75 compute-bound; "
+         "predicted no slower than the best anchor or baseline):", "",
+         "| case | chip | ours µs | efficiency | target | best other | its µs | ours vs best |",
+         "|---|---|---:|---:|---:|---|---:|---:|"]
+  for r in rows:
+    if r["source"] != OURS:
+      continue
+    others = [o for o in rows if o["case"] == r["case"] and o["chip"] == r["chip"]
+              and o["source"] != OURS and "predicted_us" in o]
+    best = min(others, key=lambda o: o["predicted_us"], default=None)
+    if "predicted_us" not in r:
+      out.append(f"| {r['case']} | {r['chip']} | not rated: {r['error']} |||||||")
+      continue
+    eff = f"{r['efficiency']:.2f} " + ("(met)" if r["efficiency"] >= r["target"] else
+                                       f"(short by {r['target'] - r['efficiency']:.2f})")
+    if best is None:
+      versus, best_name, best_us = "no other rated", "", ""
+    else:
+      ratio = best["predicted_us"] / r["predicted_us"]
+      versus = f"{ratio:.2f}x " + ("(faster)" if ratio >= 1 else "(slower)")
+      best_name, best_us = best["implementation"], _us(best["predicted_us"])
+    out.append(f"| {r['case']} | {r['chip']} | {_us(r['predicted_us'])} | {eff} "
+               f"| {r['target']:.2f} | {best_name} | {best_us} | {versus} |")
+  return out
+
+
+def chart(rows: list[dict], path: Path) -> None:
+  """Efficiency per case and implementation, one panel per chip (PNG)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  chip_names = sorted({r["chip"] for r in rows})
+  cases = list(dict.fromkeys(r["case"] for r in rows))
+  impls = list(dict.fromkeys((r["source"], r["implementation"]) for r in rows))
+  colors = {OURS: "#1f77b4", XLA: "#7f7f7f", ANCHOR: "#ff7f0e"}
+  fig, axes = plt.subplots(1, len(chip_names), figsize=(7 * len(chip_names), 0.5 * len(cases)
+                                                       * max(2, len(impls) / 3) + 2),
+                           squeeze=False, sharey=True)
+  height = 0.8 / max(1, len(impls))
+  for ax, chip in zip(axes[0], chip_names):
+    for k, (source, impl) in enumerate(impls):
+      ys, xs = [], []
+      for i, case in enumerate(cases):
+        r = next((r for r in rows if r["chip"] == chip and r["case"] == case
+                  and r["implementation"] == impl), None)
+        if r is not None and "efficiency" in r:
+          ys.append(i + k * height)
+          xs.append(r["efficiency"])
+      ax.barh(ys, xs, height=height, color=colors[source], alpha=0.9 if source == OURS else 0.6,
+              label=f"{impl}" if source != OURS else "ours (pallas)")
+    for target, style in ((0.85, "--"), (0.75, ":")):
+      ax.axvline(target, color="black", linestyle=style, linewidth=0.8)
+    ax.set_xlim(0, 1.05)
+    ax.set_title(f"{chip}: efficiency = roofline / predicted (static estimate)")
+    ax.set_yticks([i + 0.4 for i in range(len(cases))])
+    ax.set_yticklabels(cases, fontsize=7)
+    ax.invert_yaxis()
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  unique = dict(zip(labels, handles))
+  fig.legend(unique.values(), unique.keys(), loc="lower center", ncol=3, fontsize=7)
+  fig.tight_layout(rect=(0, 0.08, 1, 1))
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+HEADER = ("Static estimates (libtpu cycle count, not a TPU measurement). "
+          "Generated by `python benchmarks/estimate.py`; the method is in its docstring.\n\n")
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--chips", nargs="+", default=["v5e", "v6e"])
-  parser.add_argument("--quick", action="store_true", help="decode-size cases only (seconds)")
+  parser.add_argument("--quick", action="store_true", help="decode-size RMSNorm only (seconds)")
+  parser.add_argument("--cases", nargs="+", help="only cases whose name contains one of these")
+  parser.add_argument("--no-anchors", action="store_true", help="ours and XLA only")
   parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-  parser.add_argument("--kernels", nargs="+", help="only these kernels (hub names)")
-  parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)   # see _child
+  parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)   # see _rate_in_child
   args = parser.parse_args(argv)
   if args.child:
     _child_main(*args.child)
     return 0
   rows = []
-  for case in all_cases(args.quick, args.kernels):
+  for impl in implementations(args.quick, args.cases, not args.no_anchors):
     for chip in args.chips:
-      rows.append(estimate(case, chip))
+      rows.append(rate(impl, chip))
       print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "estimates.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   table = markdown(rows)
-  (args.out / "estimates.md").write_text(
-      "Static estimates (libtpu cycle count, not a TPU measurement):\n\n" + table)
+  (args.out / "estimates.md").write_text(HEADER + table)
+  chart(rows, args.out / "estimates.png")
   print(table)
-  return 0 if all(r["compiled"] for r in rows) else 1
+  ours = [r for r in rows if r["source"] == OURS]
+  return 0 if all("predicted_us" in r for r in ours) else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Static estimate of a paged-attention decode step (uniform batch), for tuning and the card.
 
     python benchmarks/paged_estimate.py [--chip v6e] [--batch 64] [--context 2048]
-                                        [--heads 32 8] [--head-dim 128] [--page-size 16]
+                                        [--heads 32 8] [--head-dim 128] [--page-size 64]
                                         [--kv-dtype bfloat16] [--block-kv N ...]
 
 libtpu's estimator reads every SMEM value as 0: lengths and page ids of a paged kernel
@@ -17,7 +17,8 @@ per KV head: exact for this kernel, whose page slots never re-read a page) and
 
 The estimator's time grows faster than linearly with grid steps, so each case is rated
 at two truncated batch sizes (identical per-sequence work) and the cycles extrapolated
-linearly to the real batch. These are static estimates, not measurements.
+linearly to the real batch; contexts past MAX_RATED_CONTEXT are rated at two shorter
+contexts with the same tiling and extrapolated linearly in kv steps. These are static estimates, not measurements.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "kernels"))
 
-if "--xla_jf_dump_static_llo_profile_to" not in os.environ.get("LIBTPU_INIT_ARGS", ""):
+# (ESTIMATE_STATIC_PROFILE=0: a caller rating plain XLA by cost_analysis, where the flag hurts.)
+if (os.environ.get("ESTIMATE_STATIC_PROFILE", "1") == "1"
+    and "--xla_jf_dump_static_llo_profile_to" not in os.environ.get("LIBTPU_INIT_ARGS", "")):
   os.environ["LIBTPU_INIT_ARGS"] = (
       os.environ.get("LIBTPU_INIT_ARGS", "") + " --xla_jf_dump_static_llo_profile_to="
       + tempfile.mkdtemp(prefix="static_llo_profile_"))
@@ -44,37 +47,15 @@ import jax.numpy as jnp  # noqa: E402
 
 from tpu_kernels import aot, chips, paged_attention as PA  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from headline import PagedDecode  # noqa: E402
+
 S = jax.ShapeDtypeStruct
 TRUNCATED_BATCHES = (2, 4)
+MAX_RATED_CONTEXT = 4096   # longer contexts: extrapolated per kv step (the estimator is slow)
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeCase:
-  batch: int
-  context: int
-  q_heads: int = 32
-  kv_heads: int = 8
-  head_dim: int = 128
-  page_size: int = 16
-  kv_dtype: str = "bfloat16"
-  q_dtype: str = "bfloat16"
-
-  @property
-  def label(self) -> str:
-    return (f"paged decode S={self.batch} ctx={self.context} {self.q_heads}/{self.kv_heads} "
-            f"D={self.head_dim} page={self.page_size} cache {self.kv_dtype}")
-
-  def hbm_bytes(self) -> int:
-    kv = 2 * self.batch * self.kv_heads * self.context * self.head_dim * \
-        jnp.dtype(self.kv_dtype).itemsize
-    q_out = 2 * self.batch * self.q_heads * self.head_dim * jnp.dtype(self.q_dtype).itemsize
-    return kv + q_out
-
-  def flops(self) -> int:
-    return 4 * self.batch * self.q_heads * self.context * self.head_dim
-
-
-def kernel_program(case: DecodeCase, chip: str, batch: int, block_kv: int | None):
+def kernel_program(case: PagedDecode, chip: str, batch: int, block_kv: int | None):
   """(fn, specs, tiling) of the kernel alone for `batch` sequences of the case."""
   group = case.q_heads // case.kv_heads
   pages_per_seq = -(-case.context // case.page_size)
@@ -108,28 +89,68 @@ def kernel_program(case: DecodeCase, chip: str, batch: int, block_kv: int | None
   return fn, specs, t
 
 
-def estimate(case: DecodeCase, chip: str, block_kv: int | None = None) -> dict:
-  chip_ = chips.get_chip(chip)
-  cycles = []
-  for batch in TRUNCATED_BATCHES:
-    fn, specs, t = kernel_program(case, chip, batch, block_kv)
+def _rated_cycles(case: PagedDecode, chip: str, block_kv: int | None):
+  """Kernel cycles of the case, from truncated batches (and contexts): (cycles, tiling, how)."""
+  def rate(c: PagedDecode, batch: int):
+    fn, specs, t = kernel_program(c, chip, batch, block_kv)
     report = aot.compile_for_chip(fn, specs, chip)
     if not report.ok:
-      raise RuntimeError(f"{case.label} on {chip}: {report.error}")
-    cycles.append(report.estimated_cycles)
-  (b0, c0), (b1, c1) = zip(TRUNCATED_BATCHES, cycles)
-  per_seq = (c1 - c0) / (b1 - b0)
-  total = c0 + per_seq * (case.batch - b0)
+      raise RuntimeError(f"{c.name} (batch {batch}) on {chip}: {report.error}")
+    return report.estimated_cycles, t
+
+  def per_sequence(c: PagedDecode):
+    (c0, t), (c1, _) = (rate(c, b) for b in TRUNCATED_BATCHES)
+    (b0, b1) = TRUNCATED_BATCHES
+    per_seq = (c1 - c0) / (b1 - b0)
+    return c0 - per_seq * b0, per_seq, t, {str(b0): c0, str(b1): c1}
+
+  if case.context <= MAX_RATED_CONTEXT:
+    fixed, per_seq, t, rated = per_sequence(case)
+    how = f"rated at batch {TRUNCATED_BATCHES}, extrapolated to {case.batch}"
+    return fixed + per_seq * case.batch, t, how, rated
+  # Long contexts: the per-sequence cycles at two shorter contexts with the same tiling,
+  # extrapolated linearly in kv steps (each kv step of a decode item is the same work).
+  t = kernel_program(case, chip, 1, block_kv)[2]
+  contexts = (MAX_RATED_CONTEXT // 2, MAX_RATED_CONTEXT)
+  points = [per_sequence(dataclasses.replace(case, context=ctx)) for ctx in contexts]
+  steps = [-(-ctx // pt[2].block_kv) for ctx, pt in zip(contexts, points)]
+  if any(pt[2].block_kv != t.block_kv for pt in points):
+    raise RuntimeError(f"{case.name}: the shorter contexts tile differently "
+                       f"({[pt[2].block_kv for pt in points]} vs {t.block_kv})")
+  per_step = (points[1][1] - points[0][1]) / (steps[1] - steps[0])
+  per_seq = points[1][1] + per_step * (-(-case.context // t.block_kv) - steps[1])
+  how = (f"rated at contexts {contexts} x batch {TRUNCATED_BATCHES}, extrapolated per kv "
+         f"step ({per_step:,.0f} cycles) to {case.context} and batch {case.batch}")
+  rated = {f"{ctx}/{b}": v for ctx, pt in zip(contexts, points) for b, v in pt[3].items()}
+  return points[1][0] + per_seq * case.batch, t, how, rated
+
+
+def estimate(case: PagedDecode, chip: str, block_kv: int | None = None) -> dict:
+  chip_ = chips.get_chip(chip)
+  total, t, how, rated = _rated_cycles(case, chip, block_kv)
   compute_us = total / chip_.clock_hz * 1e6
-  hbm_us = case.hbm_bytes() / chip_.hbm_bytes_per_s * 1e6
+  # Each item reads each of its pages once per KV head: the roofline's own bytes.
+  hbm_bytes = case.min_bytes()
+  hbm_us = hbm_bytes / chip_.hbm_bytes_per_s * 1e6
   roofline_us = max(case.flops() / chip_.bf16_flops_per_s * 1e6, hbm_us)
   predicted_us = max(compute_us, hbm_us)
-  return dict(kernel="paged-attention-tpu", name=case.label, chip=chip,
+  return dict(kernel="paged-attention-tpu", name=case.name, chip=chip,
               block_kv=t.block_kv, pages_per_block=t.pages_per_block,
-              truncated_cycles=dict(zip(map(str, TRUNCATED_BATCHES), cycles)),
-              estimated_cycles=int(total), compute_us=compute_us, hbm_bytes=case.hbm_bytes(),
+              truncated_cycles=rated, method="static estimate, " + how,
+              estimated_cycles=int(total), compute_us=compute_us, hbm_bytes=hbm_bytes,
               hbm_us=hbm_us, predicted_us=predicted_us, roofline_us=roofline_us,
               efficiency=roofline_us / predicted_us)
+
+
+def xla_program(case: PagedDecode):
+  """(fn, specs): paged_attention_xla (gathers each sequence's pages) on the decode batch."""
+  pages_per_seq = -(-case.context // case.page_size)
+  num_pages = case.batch * pages_per_seq
+  cache = S((num_pages, case.kv_heads, case.page_size, case.head_dim), jnp.dtype(case.kv_dtype))
+  specs = [S((case.batch, case.q_heads, case.head_dim), jnp.dtype(case.q_dtype)), cache, cache,
+           S((case.batch,), jnp.int32), S((case.batch, pages_per_seq), jnp.int32),
+           S((case.batch + 1,), jnp.int32)]
+  return PA.paged_attention_xla, specs
 
 
 def main(argv=None) -> int:
@@ -139,12 +160,12 @@ def main(argv=None) -> int:
   p.add_argument("--context", type=int, default=2048)
   p.add_argument("--heads", type=int, nargs=2, default=(32, 8))
   p.add_argument("--head-dim", type=int, default=128)
-  p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--page-size", type=int, default=64)
   p.add_argument("--kv-dtype", default="bfloat16")
   p.add_argument("--block-kv", type=int, nargs="*", default=[None])
   a = p.parse_args(argv)
-  case = DecodeCase(a.batch, a.context, a.heads[0], a.heads[1], a.head_dim, a.page_size,
-                    a.kv_dtype)
+  case = PagedDecode(a.context, a.batch, a.heads[0], a.heads[1], a.head_dim, a.page_size,
+                     a.kv_dtype)
   for block_kv in a.block_kv:
     print(json.dumps(estimate(case, a.chip, block_kv)), flush=True)
   return 0

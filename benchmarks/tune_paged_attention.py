@@ -77,7 +77,7 @@ def module_text(table: dict[PA.TuningKey, int]) -> str:
 
 def rate(key: PA.TuningKey) -> list[dict]:
   """Every candidate of one key, estimated in this process."""
-  case = paged_estimate.DecodeCase(64, CONTEXT, GROUP * key.num_kv_heads, key.num_kv_heads,
+  case = paged_estimate.PagedDecode(CONTEXT, 64, GROUP * key.num_kv_heads, key.num_kv_heads,
                                    key.head_dim, key.page_size, key.kv_dtype)
   return [paged_estimate.estimate(case, key.chip, block_kv) for block_kv in candidates(key)]
 

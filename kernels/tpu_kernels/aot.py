@@ -107,6 +107,17 @@ def estimated_cycles(hlo_text: str) -> int | None:
   return sum(found) if found else None
 
 
+def kernel_estimated_cycles(hlo_text: str) -> int:
+  """The static estimate of the Mosaic kernels alone (their tpu_custom_call lines), for
+  programs whose XLA ops around the kernel are not part of what is rated."""
+  total = 0
+  for line in hlo_text.replace('\\"', '"').splitlines():
+    if 'custom_call_target="tpu_custom_call"' in line:
+      found = _ESTIMATED_CYCLES.search(line)
+      total += int(found.group(1)) if found else 0
+  return total
+
+
 def compile_for_chip(fn, arg_specs, chip: str) -> CompileReport:
   """Compiles `fn(*args)` for `chip` ahead of time and reports the outcome.
 

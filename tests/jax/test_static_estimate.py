@@ -27,4 +27,6 @@ def test_quick_estimate(tmp_path):
     # The prediction can never beat the roofline: it is max(compute, bytes moved).
     assert r["predicted_us"] >= r["roofline_us"] > 0
     assert 0 < r["efficiency"] <= 1
-  assert "not a TPU measurement" in (tmp_path / "estimates.md").read_text()
+  table = (tmp_path / "estimates.md").read_text()
+  assert "not a TPU measurement" in table and "Targets (issue 6" in table
+  assert (tmp_path / "estimates.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

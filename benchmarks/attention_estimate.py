@@ -1,0 +1,149 @@
+"""Static estimate of flash-attention-tpu's causal forward at a headline case.
+
+Why a proxy. The kernel views q as [B, Hkv, G, S, D] and holds the G query heads of a
+KV head in one (G, block_q, D) block, so each K/V block is loaded once per group.
+libtpu's estimator rates any kernel with such a 3-D block at 0 cycles (a probe kernel
+confirmed it: 2-D blocks are rated, a (8, 16, 128) block gives 0; the GQA program here
+gives 0 too). So the kernel is rated on its MHA program (G = 1: 2-D blocks) at the
+tiling the GQA case picks. Per query head the two do the same work: the same q rows,
+the same (block_q x block_k) logit tiles, the same online softmax. The MHA program
+loads K/V once per query head rather than once per group, so its cycles (which
+include DMA-wait stalls) bound the GQA kernel's from above. HBM bytes are counted for
+the GQA kernel itself (below), never for the proxy.
+
+Heads are the outermost grid axes and identical, so the cycles are rated at 1 and 2
+heads and extrapolated linearly to B * Hq. Long sequences make the estimator slow
+(it unrolls every grid step: one head at S=32768 took 171 s and 7 GB), so a case
+longer than `MAX_RATED_SEQ` is rated at two shorter causal lengths with the same
+tiling and fitted as  cycles per head = a * (q blocks) + b * (interior tiles),  where
+an interior tile is a visited (q block, kv block) pair the causal mask does not cross
+(it runs the unmasked body) and the per-q-block term carries the masked diagonal tiles
+and the block's prologue / epilogue. Checked on v6e at block 1024 x 512: fitted from
+S=4096 and 8192, one head, it gives 2,364,572 cycles at S=32768; the direct estimate
+is 2,353,286 (0.5 % apart).
+
+HBM bytes, replaying the grid (B, Hkv, q blocks, kv steps): every q block is read once
+and its output (and f32 lse) written once per group; q block i visits kv blocks
+[0, hi_i), hi_i = ceil((i + 1) * block_q / block_k), and the steps past hi_i - 1 keep
+that index (no DMA); moving to the next q block restarts at kv block 0, a new fetch
+unless the previous q block ended on block 0 too (`kv_block_fetches`).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from tpu_kernels import aot, flash_attention as F  # noqa: E402
+
+S = jax.ShapeDtypeStruct
+MAX_RATED_SEQ = 8192
+RATED_HEADS = (1, 2)
+
+
+def tiling(case, chip: str) -> F.Tiling:
+  return F.attention_tiling(case.seq, case.seq, case.head_dim,
+                            group=case.q_heads // case.kv_heads,
+                            dtype=jnp.dtype(case.dtype), chip=chip)
+
+
+def visited_tiles(seq: int, block_q: int, block_k: int) -> list[int]:
+  """hi_i per q block: the kv blocks a causal q block visits (no offset, no window)."""
+  num_q = -(-seq // block_q)
+  num_k = -(-seq // block_k)
+  return [min(num_k, -(-min((i + 1) * block_q, seq) // block_k)) for i in range(num_q)]
+
+
+def kv_block_fetches(seq: int, block_q: int, block_k: int) -> int:
+  """K (or V) block fetches of one (batch row, KV head): the kv block index the grid
+  visits, q block after q block, changes this many times (a q block that starts on the
+  block the previous one ended on fetches nothing new)."""
+  fetches, last = 0, None
+  for hi in visited_tiles(seq, block_q, block_k):
+    for j in range(hi):
+      fetches += j != last
+      last = j
+  return fetches
+
+
+def hbm_bytes(case, t: F.Tiling) -> int:
+  item = jnp.dtype(case.dtype).itemsize
+  q_len_p = -(-case.seq // t.block_q) * t.block_q
+  q_out = 2 * case.batch * case.q_heads * q_len_p * case.head_dim * item
+  lse = case.batch * case.q_heads * q_len_p * 4
+  kv_blocks = kv_block_fetches(case.seq, t.block_q, t.block_k)
+  kv = 2 * case.batch * case.kv_heads * kv_blocks * t.block_k * case.head_dim * item
+  return q_out + lse + kv
+
+
+def mha_program(seq: int, heads: int, case, t: F.Tiling, chip: str):
+  """(fn, specs): the causal forward of B=1, `heads` MHA heads at the GQA case's tiling."""
+  dtype = jnp.dtype(case.dtype)
+  spec = S((1, heads, seq, case.head_dim), dtype)
+  fn = functools.partial(F.flash_attention, causal=True, chip=chip, block_q=t.block_q,
+                         block_k=t.block_k, vmem_limit_bytes=t.vmem_limit_bytes)
+  return fn, [spec, spec, spec]
+
+
+def _cycles(seq: int, heads: int, case, t, chip: str) -> int:
+  fn, specs = mha_program(seq, heads, case, t, chip)
+  report = aot.compile_for_chip(fn, specs, chip)
+  if not report.ok:
+    raise RuntimeError(f"MHA proxy S={seq} H={heads} on {chip}: {report.error}")
+  if not report.estimated_cycles:
+    raise RuntimeError(f"MHA proxy S={seq} H={heads} on {chip}: the estimator gave no cycles")
+  return report.estimated_cycles
+
+
+def interior_tiles(seq: int, block_q: int, block_k: int) -> int:
+  """Visited (q block, kv block) pairs wholly below the causal diagonal."""
+  return sum(min(-(-seq // block_k), (i * block_q + 1) // block_k)
+             for i in range(-(-seq // block_q)))
+
+
+def estimate(case, chip: str) -> dict:
+  """Partial row: estimated_cycles (whole causal forward, all heads), hbm_bytes, how."""
+  t = tiling(case, chip)
+  total_heads = case.batch * case.q_heads
+  seqs = (case.seq,) if case.seq <= MAX_RATED_SEQ else (MAX_RATED_SEQ // 2, MAX_RATED_SEQ)
+  fixed, per_head = {}, {}
+  for seq in seqs:
+    c1, c2 = (_cycles(seq, h, case, t, chip) for h in RATED_HEADS)
+    per_head[seq] = (c2 - c1) / (RATED_HEADS[1] - RATED_HEADS[0])
+    fixed[seq] = c1 - per_head[seq] * RATED_HEADS[0]
+  how = (f"static estimate of the MHA program (G=1) at the GQA tiling, rated at "
+         f"{RATED_HEADS} heads")
+  if len(seqs) == 1:
+    head_cycles = per_head[case.seq]
+    method = f"{how}, extrapolated to {total_heads}"
+  else:   # solve per_head(s) = a * q_blocks(s) + b * interior(s) from the two lengths
+    (s1, s2), bq, bk = seqs, t.block_q, t.block_k
+    n1, n2, n = (-(-s // bq) for s in (s1, s2, case.seq))
+    i1, i2, i = (interior_tiles(s, bq, bk) for s in (s1, s2, case.seq))
+    det = n1 * i2 - n2 * i1
+    per_block = (per_head[s1] * i2 - per_head[s2] * i1) / det
+    per_tile = (n1 * per_head[s2] - n2 * per_head[s1]) / det
+    head_cycles = per_block * n + per_tile * i
+    method = (f"{how} at S={s1}, {s2}; fitted per q block ({per_block:,.0f}) and per "
+              f"interior tile ({per_tile:,.0f}), extrapolated to S={case.seq}, "
+              f"{total_heads} heads")
+  return dict(estimated_cycles=round(fixed[seqs[-1]] + head_cycles * total_heads),
+              cycles_per_head=round(head_cycles), hbm_bytes=hbm_bytes(case, t), method=method,
+              tiling=dict(block_q=t.block_q, block_k=t.block_k,
+                          vmem_limit_bytes=t.vmem_limit_bytes),
+              note="GQA rated through its MHA program (the estimator gives 3-D blocks 0 "
+                   "cycles); K/V bytes counted once per group")
+
+
+def xla_program(case):
+  """(fn, specs): jax.nn.dot_product_attention, causal, GQA, in its [B, S, H, D] layout."""
+  dtype = jnp.dtype(case.dtype)
+  q = S((case.batch, case.seq, case.q_heads, case.head_dim), dtype)
+  kv = S((case.batch, case.seq, case.kv_heads, case.head_dim), dtype)
+  return functools.partial(jax.nn.dot_product_attention, is_causal=True), [q, kv, kv]

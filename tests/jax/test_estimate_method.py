@@ -1,0 +1,123 @@
+"""The estimator's arithmetic, checked without the estimator (fast, no static profile):
+the headline cases' flops / bytes, the attention grid's visited tiles and HBM bytes by
+brute-force replay, and the row / target logic of benchmarks/estimate.py."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import attention_estimate  # noqa: E402
+import headline  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def estimate():
+  """benchmarks/estimate.py without the profile flag (it would leak into later children)."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv("ESTIMATE_STATIC_PROFILE", "0")
+    yield importlib.import_module("estimate")
+
+
+def test_headline_names_are_unique_and_found():
+  names = [c.name for c in headline.HEADLINE]
+  assert len(set(names)) == len(names)
+  for c in headline.HEADLINE:
+    assert headline.by_name(c.name) is c
+    # Each name starts with its kernel's stem: the build picks a card's rows by it.
+    assert c.name.split()[0] == c.kernel.removesuffix("-tpu").replace("-", "_")
+  with pytest.raises(KeyError, match="known"):
+    headline.by_name("nope")
+
+
+def test_attention_flops_count_the_causal_pairs():
+  case = headline.Attention(seq=8, batch=2, q_heads=4, kv_heads=2, head_dim=16)
+  visible = sum(1 for i in range(8) for j in range(8) if j <= i)
+  assert case.flops() == 2 * 4 * visible * 16 * 4   # QK^T and PV: 2 flops per MAC each
+  assert case.min_bytes() == (2 * 2 * 8 * 4 * 16 + 2 * 2 * 8 * 2 * 16) * 2
+
+
+def test_grouped_matmul_and_paged_roofline_bytes():
+  g = headline.GroupedMatmul(512, "gate_up+silu")
+  assert (g.k, g.n_weight, g.n_out) == (2048, 1536, 768)
+  assert g.min_bytes() == (512 * 2048 + 128 * 2048 * 1536 + 512 * 768) * 2
+  p = headline.PagedDecode(2048)
+  assert p.min_bytes() == 2 * 64 * 8 * 2048 * 128 * 2 + 2 * 64 * 32 * 128 * 2
+
+
+@pytest.mark.parametrize("seq,bq,bk", [(4096, 1024, 512), (4096, 512, 1024), (1000, 256, 128),
+                                       (32768, 1024, 512), (640, 128, 256)])
+def test_visited_and_interior_tiles_by_brute_force(seq, bq, bk):
+  num_q, num_k = -(-seq // bq), -(-seq // bk)
+  visited = interior = 0
+  for i in range(num_q):
+    rows = range(i * bq, min((i + 1) * bq, seq))
+    for j in range(num_k):
+      keys = range(j * bk, min((j + 1) * bk, seq))
+      pairs_visible = [k <= r for r in (rows[0], rows[-1]) for k in (keys[0], keys[-1])]
+      if keys[0] <= rows[-1]:                    # some (row, key) pair is visible
+        visited += 1
+        interior += all(pairs_visible)           # the mask crosses nothing
+  assert sum(attention_estimate.visited_tiles(seq, bq, bk)) == visited
+  assert attention_estimate.interior_tiles(seq, bq, bk) == interior
+
+
+def test_attention_hbm_bytes_replay_the_forward_grid():
+  case = headline.Attention(seq=3000, batch=2, q_heads=8, kv_heads=2, head_dim=128)
+  t = attention_estimate.tiling(case, "v6e")
+  num_q, num_k = -(-case.seq // t.block_q), -(-case.seq // t.block_k)
+  hi = attention_estimate.visited_tiles(case.seq, t.block_q, t.block_k)
+  moved, last = 0, {}
+  kv_block_bytes = t.block_k * case.head_dim * 2
+  q_block_bytes = (case.q_heads // case.kv_heads) * t.block_q * case.head_dim * 2
+  for b in range(case.batch):
+    for h in range(case.kv_heads):
+      for i in range(num_q):
+        for step in range(num_k):            # the grid's kv axis: every block, clamped
+          j = min(step, hi[i] - 1)
+          for name, index, nbytes in (("q", (b, h, i), q_block_bytes),
+                                      ("k", (b, h, j), kv_block_bytes),
+                                      ("v", (b, h, j), kv_block_bytes)):
+            if last.get(name) != index:
+              moved += nbytes
+              last[name] = index
+  out_and_lse = case.batch * case.q_heads * num_q * t.block_q * (case.head_dim * 2 + 4)
+  assert attention_estimate.hbm_bytes(case, t) == moved + out_and_lse
+
+
+def test_finish_row_and_targets(estimate):
+  case = headline.PagedDecode(2048)
+  ours = estimate.Implementation(case.name, "pallas", estimate.OURS, None)
+  other = estimate.Implementation(case.name, "xla", estimate.XLA, None)
+  chip = estimate.chips.get_chip("v6e")
+  row = estimate.finish_row(ours, "v6e", dict(compiled=True, error=None,
+                                               estimated_cycles=1_750_000,
+                                               hbm_bytes=case.min_bytes()))
+  assert row["compute_us"] == pytest.approx(1000.0)
+  assert row["hbm_us"] == pytest.approx(case.min_bytes() / chip.hbm_bytes_per_s * 1e6)
+  assert row["predicted_us"] == pytest.approx(1000.0)
+  assert row["efficiency"] == pytest.approx(row["roofline_us"] / 1000.0)
+  assert (row["bound"], row["target"]) == ("memory", 0.85)
+  xla = estimate.finish_row(other, "v6e", dict(compiled=True, error=None, estimated_cycles=None,
+                                                compute_us=2000.0, hbm_bytes=1))
+  assert xla["predicted_us"] == pytest.approx(2000.0)
+  # No cycles: an error row, never a prediction.
+  empty = estimate.finish_row(ours, "v6e", dict(compiled=True, error=None, estimated_cycles=0,
+                                                 hbm_bytes=10))
+  assert "predicted_us" not in empty and "no estimate" in empty["error"]
+  lines = estimate.targets([row, xla])
+  mine = next(l for l in lines if l.startswith(f"| {case.name}"))
+  assert "(short by" in mine and "2.00x (faster)" in mine and "| xla |" in mine
+
+
+def test_markdown_keeps_failed_rows(estimate):
+  case = headline.RmsNorm(8, 4096)
+  impl = estimate.Implementation(case.name, "pallas", estimate.OURS, None)
+  failed = estimate.finish_row(impl, "v5e", dict(compiled=False, error="exit -6: LLO_CHECK"))
+  text = estimate.markdown([failed])
+  assert "not rated: exit -6: LLO_CHECK" in text
