@@ -84,20 +84,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import numpy as np
 
+from . import attention_common as common
 from . import chips
 from . import paged_attention_tuned
 from . import vmem
 
-FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
+FLOAT_DTYPES = common.FLOAT_DTYPES
 QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
 # The pallas_call name, as it appears in compiled HLO.
 KERNEL_NAME = "ragged_paged_attention"
 PAGE_SIZES = tuple(range(16, 257, 16))   # multiples of 16 from 16 to 256
 
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-_LANES = 128
-_NT = (((1,), (1,)), ((), ()))   # a @ b.T
-_NN = (((1,), (0,)), ((), ()))   # a @ b
+_MASK_VALUE = common.MASK_VALUE
+_LANES = common.LANES
+_NT = common.NT
+_NN = common.NN
 _INT8_MAX = 127.0
 _FP8_E4M3_MAX = 448.0
 # Per-item int32 tables scalar-prefetched next to the page table rows (see _work_items).
@@ -409,34 +410,45 @@ def _kernel(*refs, st: _Static):
       if st.sliding_window is not None:
         visible = visible & (q_pos - key < st.sliding_window)
 
-    def head_step(h, carry):
+    def scores(h):
       heads = _slice(h, num_rows)       # this KV head's q rows
       page_rows = _slice(h, ps)         # its part of each page block
       k = jnp.concatenate([r[page_rows, :].astype(dtype) for r in k_refs], axis=0)  # (bkv, D)
-      v = jnp.concatenate([r[page_rows, :].astype(dtype) for r in v_refs], axis=0)
-      if masked:
-        v = jnp.where(needed, v, jnp.zeros_like(v))
       s = lax.dot_general(q_ref[heads, :], k, _NT, preferred_element_type=jnp.float32)
       s = s * (st.sm_scale * scales_ref[0, h] if st.quantized else st.sm_scale)
       if st.soft_cap is not None:
         s = st.soft_cap * jnp.tanh(s * (1.0 / st.soft_cap))
       if masked:
         s = jnp.where(visible, s, _MASK_VALUE)
+      return s
+
+    def update(h, s):
+      heads = _slice(h, num_rows)
+      page_rows = _slice(h, ps)
+      v = jnp.concatenate([r[page_rows, :].astype(dtype) for r in v_refs], axis=0)
+      if masked:
+        v = jnp.where(needed, v, jnp.zeros_like(v))
       m_prev = m_ref[heads, :]                                  # (rows, 128), lanes equal
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-      p = jnp.exp(s - _lanes(m_new, bkv))
+      p = jnp.exp(s - common.lanes(m_new, bkv))
       if masked:
         p = jnp.where(visible, p, 0.0)
       alpha = jnp.exp(m_prev - m_new)
       l_ref[heads, :] = alpha * l_ref[heads, :] + jnp.sum(p, axis=1, keepdims=True)
-      acc_ref[heads, :] = _lanes(alpha, head_dim) * acc_ref[heads, :] + lax.dot_general(
+      acc_ref[heads, :] = common.lanes(alpha, head_dim) * acc_ref[heads, :] + lax.dot_general(
           p.astype(dtype), v, _NN, preferred_element_type=jnp.float32)
       m_ref[heads, :] = m_new
+
+    def head_step(h, carry):
+      update(h, scores(h))
       return carry
 
     if num_kv_heads <= _UNROLL_HEADS:
+      # All heads' logits first, then their updates: independent matmuls back to back,
+      # so one head's MXU latency overlaps the next's.
+      all_scores = [scores(h) for h in range(num_kv_heads)]
       for h in range(num_kv_heads):
-        head_step(h, 0)
+        update(h, all_scores[h])
     else:
       lax.fori_loop(0, num_kv_heads, head_step, 0)
 
@@ -461,7 +473,7 @@ def _kernel(*refs, st: _Static):
       inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
       if st.quantized:
         inv = inv * scales_ref[1, h]
-      o_ref[heads, :] = (acc_ref[heads, :] * _lanes(inv, head_dim)).astype(o_ref.dtype)
+      o_ref[heads, :] = (acc_ref[heads, :] * common.lanes(inv, head_dim)).astype(o_ref.dtype)
 
 
 def _slice(h, size: int):
@@ -469,15 +481,6 @@ def _slice(h, size: int):
   if isinstance(h, int):
     return pl.ds(h * size, size)
   return pl.ds(pl.multiple_of(h * size, size), size)
-
-
-def _lanes(x, width: int):
-  """(rows, 128) with equal lanes -> (rows, width)."""
-  if width % _LANES == 0:
-    return jnp.tile(x, (1, width // _LANES))
-  if width < _LANES:
-    return x[:, :width]
-  return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
 
 
 def _call(items, table, scales, q_items, sink_rows, k_pages, v_pages, st: _Static):
@@ -646,17 +649,7 @@ def _check(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sliding_window
                      f"{page_indices.shape}")
   if cu_q_lens.shape != (num_seqs + 1,):
     raise ValueError(f"cu_q_lens must have shape ({num_seqs + 1},), got {cu_q_lens.shape}")
-  if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer))
-                                     or sliding_window < 1):
-    raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
-  if soft_cap is not None and not soft_cap > 0:
-    raise ValueError(f"soft_cap must be None or > 0, got {soft_cap!r}")
-  if sinks is not None:
-    if sinks.shape != (num_q_heads,):
-      raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got "
-                       f"{sinks.shape}")
-    if sinks.dtype not in FLOAT_DTYPES:
-      raise TypeError(f"sinks must be float32 or bfloat16, got {sinks.dtype}")
+  common.check_softmax_options(sliding_window, soft_cap, sinks, num_q_heads)
   return quantized
 
 
