@@ -186,19 +186,10 @@ def visible_prefetch(module, closed_forms, grid=None):
 
 
 def _kernel_cycles(hlo_text: str) -> tuple[int, int]:
-  """(sum of the Mosaic kernels' estimated cycles, number of Mosaic kernels). An instruction
-  may span several lines (a kernel's backend config can hold newlines), so the text is split
-  at instruction starts, not at line ends."""
-  total, count = 0, 0
-  text = hlo_text.replace('\\"', '"')
-  for instruction in re.split(r"\n\s*(?:ROOT\s+)?%", text):
-    if 'custom_call_target="tpu_custom_call"' in instruction:
-      m = re.search(r'"estimated_cycles":"?(\d+)', instruction)
-      if m is None:   # e.g. inside an input fusion: the estimate sits on the fusion
-        raise RuntimeError("a Mosaic kernel carries no estimated_cycles (input fusion?)")
-      total += int(m.group(1))
-      count += 1
-  return total, count
+  """(sum of the Mosaic kernels' estimated cycles, number of Mosaic kernels)."""
+  from tpu_kernels import aot
+  cycles = aot.mosaic_kernel_cycles(hlo_text)
+  return sum(cycles), len(cycles)
 
 
 def _compile(fn, specs, chip: str):

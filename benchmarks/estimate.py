@@ -148,7 +148,7 @@ def _ragged_pallas(case: headline.GroupedMatmul, chip: str) -> dict:
     fn, specs = gmm.function(visits), gmm.specs()
     text = jax.jit(fn).trace(*[aot._on_device(s, aot.topology_device(chip))
                                for s in specs]).lower().compile().as_text()
-    rated.append(aot.kernel_estimated_cycles(text))
+    rated.append(sum(aot.mosaic_kernel_cycles(text)))
   (v1, v2), (k1, k2) = TRUNCATED_VISITS, rated
   per_visit = (k2 - k1) / (v2 - v1)
   c = chips.get_chip(chip)

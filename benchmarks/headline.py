@@ -127,8 +127,8 @@ class PagedDecode:
 
   @property
   def name(self) -> str:
-    return (f"paged_attention decode B={self.batch} H={self.q_heads}/{self.kv_heads} D={self.head_dim} "
-            f"ctx={self.context} page={self.page_size} "
+    return (f"paged_attention decode B={self.batch} H={self.q_heads}/{self.kv_heads} "
+            f"D={self.head_dim} ctx={self.context} page={self.page_size} "
             + ("bf16" if self.kv_dtype == "bfloat16" else f"cache {self.kv_dtype}"))
 
   def flops(self) -> int:

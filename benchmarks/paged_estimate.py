@@ -18,7 +18,8 @@ per KV head: exact for this kernel, whose page slots never re-read a page) and
 The estimator's time grows faster than linearly with grid steps, so each case is rated
 at two truncated batch sizes (identical per-sequence work) and the cycles extrapolated
 linearly to the real batch; contexts past MAX_RATED_CONTEXT are rated at two shorter
-contexts with the same tiling and extrapolated linearly in kv steps. These are static estimates, not measurements.
+contexts with the same tiling and extrapolated linearly in kv steps. These are static
+estimates, not measurements.
 """
 
 from __future__ import annotations

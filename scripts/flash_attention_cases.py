@@ -160,7 +160,8 @@ class Program:
     """The tiling of all three kernels, as `flash_attention` asks for it."""
     c = self.config
     return FA.attention_tiling(c.seq, c.seq, c.head_dim, group=c.group,
-                               dtype=jnp.dtype(c.dtype), chip=chip)
+                               dtype=jnp.dtype(c.dtype), chip=chip, causal=c.causal,
+                               sliding_window=c.sliding_window)
 
   def plan(self, chip: str) -> str:
     t = self.tiling(chip)
@@ -174,6 +175,22 @@ def default_programs(head_dim: int, directions=("bwd",)) -> list[Program]:
 
 def feature_programs(directions=("bwd",)) -> list[Program]:
   return [Program(c, d) for d in directions for c in FEATURE_CONFIGS.values()]
+
+
+def tuned_programs(chip: str, directions=("bwd",)) -> list[Program]:
+  """The tuning table's entries for `chip`: one program per distinct (head_dim, group,
+  block_q, block_k), at the shortest sequence bucket that takes it, G query heads on one
+  KV head (what is compiled depends on the blocks and the group, not on the length)."""
+  from tpu_kernels import flash_attention_tuned
+  seen, out = set(), []
+  for (c, dtype, head_dim, group, seq), blocks in sorted(
+      flash_attention_tuned.BLOCKS.items(), key=lambda kv: kv[0][4]):
+    if c != chip or (head_dim, group, blocks) in seen:
+      continue
+    seen.add((head_dim, group, blocks))
+    config = Config("tuned", seq, head_dim, q_heads=group, kv_heads=1, dtype=dtype)
+    out += [Program(config, d) for d in directions]
+  return out
 
 
 def all_programs(directions=("bwd",)) -> list[Program]:

@@ -107,15 +107,20 @@ def estimated_cycles(hlo_text: str) -> int | None:
   return sum(found) if found else None
 
 
-def kernel_estimated_cycles(hlo_text: str) -> int:
-  """The static estimate of the Mosaic kernels alone (their tpu_custom_call lines), for
-  programs whose XLA ops around the kernel are not part of what is rated."""
-  total = 0
-  for line in hlo_text.replace('\\"', '"').splitlines():
-    if 'custom_call_target="tpu_custom_call"' in line:
-      found = _ESTIMATED_CYCLES.search(line)
-      total += int(found.group(1)) if found else 0
-  return total
+def mosaic_kernel_cycles(hlo_text: str) -> list[int]:
+  """The static estimate of each Mosaic kernel (tpu_custom_call) of compiled HLO text, in
+  order, for programs whose XLA ops around the kernels are not part of what is rated.
+  An instruction may span several lines (a kernel's backend config can hold newlines),
+  so the text is split at instruction starts, not at line ends. RuntimeError if a
+  kernel carries no estimate (inside an input fusion the estimate sits on the fusion)."""
+  cycles = []
+  for instruction in re.split(r"\n\s*(?:ROOT\s+)?%", hlo_text.replace('\\"', '"')):
+    if 'custom_call_target="tpu_custom_call"' in instruction:
+      found = _ESTIMATED_CYCLES.search(instruction)
+      if found is None:
+        raise RuntimeError("a Mosaic kernel carries no estimated_cycles (input fusion?)")
+      cycles.append(int(found.group(1)))
+  return cycles
 
 
 def compile_for_chip(fn, arg_specs, chip: str) -> CompileReport:

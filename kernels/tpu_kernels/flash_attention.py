@@ -65,22 +65,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import numpy as np
 
+from . import attention_common as common
 from . import chips
+from . import flash_attention_tuned
 from . import vmem
 
-FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
+FLOAT_DTYPES = common.FLOAT_DTYPES
 # The pallas_call names, as they appear in compiled HLO.
 FORWARD_KERNEL = "flash_attention_fwd"
 DQ_KERNEL = "flash_attention_dq"
 DKV_KERNEL = "flash_attention_dkv"
 
-# Masked logits: finite, so that max / exp never see inf - inf.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_MASK_VALUE = common.MASK_VALUE
 _BLOCK_CANDIDATES = (1024, 512, 256, 128)
 _MAX_SINGLE_BLOCK = 512   # sequences up to this length are one block (padded to sublanes)
-_LANES = 128
-_NT = (((1,), (1,)), ((), ()))   # a @ b.T
-_NN = (((1,), (0,)), ((), ()))   # a @ b
+_LANES = common.LANES
+_NT = common.NT
+_NN = common.NN
 
 
 # ----------------------------------------------------------------------------- tiling
@@ -134,11 +135,54 @@ def _plan_bytes(block_q, block_k, head_dim, group, itemsize):
   return max(total, fwd)
 
 
+@dataclasses.dataclass(frozen=True, order=True)
+class TuningKey:
+  """A bucket of the tuning table (flash_attention_tuned.BLOCKS)."""
+
+  chip: str
+  dtype: str
+  head_dim: int       # D rounded up to 64, 128 or 256
+  group: int          # G rounded up to a power of two, 1 to 16
+  seq: int            # Sq = Skv rounded up to a power of two, 1024 to 65536
+
+
+_HEAD_DIM_BUCKETS = (64, 128, 256)
+_GROUP_BUCKETS = (1, 2, 4, 8, 16)
+_SEQ_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+
+def tuning_key(chip: str, dtype, q_len: int, kv_len: int, head_dim: int, group: int, *,
+               causal: bool, sliding_window: int | None = None) -> TuningKey | None:
+  """The table key of a call, or None where the table does not apply (the heuristic
+  decides): it is tuned on causal self-attention without a window (prefill), at
+  sequences longer than one block."""
+  if not causal or sliding_window is not None or q_len != kv_len:
+    return None
+  bucket = lambda x, buckets: next((b for b in buckets if x <= b), None)
+  d, g = bucket(head_dim, _HEAD_DIM_BUCKETS), bucket(group, _GROUP_BUCKETS)
+  seq = bucket(q_len, _SEQ_BUCKETS) if q_len > _MAX_SINGLE_BLOCK else None
+  if d is None or g is None or seq is None:
+    return None
+  return TuningKey(chips.get_chip(chip).name, np.dtype(dtype).name, d, g, seq)
+
+
+def tuned_blocks(key: TuningKey | None) -> tuple[int, int] | None:
+  """The table's (block_q, block_k) for a key, or None."""
+  if key is None:
+    return None
+  return flash_attention_tuned.BLOCKS.get(
+      (key.chip, key.dtype, key.head_dim, key.group, key.seq))
+
+
 def attention_tiling(q_len: int, kv_len: int, head_dim: int, *, group: int, dtype,
                      chip: str = chips.DEFAULT_CHIP, block_q: int | None = None,
-                     block_k: int | None = None,
-                     vmem_limit_bytes: int | None = None) -> Tiling:
-  """block_q / block_k for all three kernels from the chip's VMEM budget. Among the
+                     block_k: int | None = None, vmem_limit_bytes: int | None = None,
+                     causal: bool = False, sliding_window: int | None = None) -> Tiling:
+  """block_q / block_k for all three kernels from the chip's VMEM budget.
+
+  Causal self-attention with no window takes the tuning table's entry when it has one
+  for the shape's bucket, it is a valid block pair here and its plan fits
+  (flash_attention_tuned.py, from libtpu's static estimates). Otherwise, among the
   pairs whose plan fits: the largest smaller side (balanced blocks: fewer grid steps and
   longer matmuls in both kernels' directions), then the larger block_k, then block_q."""
   chip_ = chips.get_chip(chip)
@@ -150,6 +194,12 @@ def attention_tiling(q_len: int, kv_len: int, head_dim: int, *, group: int, dtyp
   budget = int(limit * vmem.BUDGET_FRACTION)
   plan = functools.partial(_plan_bytes, head_dim=head_dim, group=group, itemsize=itemsize)
   fits = [(bq, bk) for bk in k_cands for bq in q_cands if plan(bq, bk) <= budget]
+  tuned = None
+  if block_q is None and block_k is None:
+    tuned = tuned_blocks(tuning_key(chip, dtype, q_len, kv_len, head_dim, group,
+                                    causal=causal, sliding_window=sliding_window))
+  if tuned in fits:
+    return Tiling(*tuned, limit, plan(*tuned))
   if fits:
     bq, bk = max(fits, key=lambda c: (min(c), c[1], c[0]))
     return Tiling(bq, bk, limit, plan(bq, bk))
@@ -284,17 +334,6 @@ def _visible(q_pos, k_pos, q_seg, kv_seg, st: _Static, padded_keys: bool):
   return mask
 
 
-def _lanes(x, width: int):
-  """(rows, 128) with equal lanes -> (rows, width). Whole-vreg copies when width is a
-  multiple of 128 (the softmax statistics are kept lane-replicated for this reason:
-  a (rows, 1) column would need a lane broadcast per use)."""
-  if width % _LANES == 0:
-    return jnp.tile(x, (1, width // _LANES))
-  if width < _LANES:
-    return x[:, :width]
-  return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
-
-
 def _logits(s, st: _Static):
   """Scaled (and soft-capped) f32 logits; also tanh(s / soft_cap) for the backward."""
   s = s * st.sm_scale
@@ -348,12 +387,12 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
         s = jnp.where(mask, s, _MASK_VALUE)
       m_prev = m_ref[g]                                   # (bq, 128), lanes equal
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-      p = jnp.exp(s - _lanes(m_new, bk))
+      p = jnp.exp(s - common.lanes(m_new, bk))
       if mask is not None:
         p = jnp.where(mask, p, 0.0)   # a fully masked row has m_new = _MASK_VALUE, p = 1
       alpha = jnp.exp(m_prev - m_new)
       l_ref[g] = alpha * l_ref[g] + jnp.sum(p, axis=1, keepdims=True)
-      acc_ref[g] = _lanes(alpha, head_dim) * acc_ref[g] + lax.dot_general(
+      acc_ref[g] = common.lanes(alpha, head_dim) * acc_ref[g] + lax.dot_general(
           p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
       m_ref[g] = m_new
 
@@ -366,7 +405,7 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
       l = l_ref[g]
       seen = l > 0.0
       inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-      o_ref[g] = (acc_ref[g] * _lanes(inv, head_dim)).astype(o_ref.dtype)
+      o_ref[g] = (acc_ref[g] * common.lanes(inv, head_dim)).astype(o_ref.dtype)
       lse = jnp.where(seen, m_ref[g] + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
       lse_ref[g] = lse[:, 0]
 
@@ -648,17 +687,7 @@ def _check(q, k, v, sliding_window, soft_cap, segment_ids, sinks, q_offset):
                      f"number of KV heads ({k.shape[1]})")
   if head_dim == 0:
     raise ValueError("head_dim must be positive")
-  if sliding_window is not None and (not isinstance(sliding_window, (int, np.integer))
-                                     or sliding_window < 1):
-    raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
-  if soft_cap is not None and not soft_cap > 0:
-    raise ValueError(f"soft_cap must be None or > 0, got {soft_cap!r}")
-  if sinks is not None:
-    if sinks.shape != (num_q_heads,):
-      raise ValueError(f"sinks must have shape ({num_q_heads},) (one per query head), got "
-                       f"{sinks.shape}")
-    if sinks.dtype not in FLOAT_DTYPES:
-      raise TypeError(f"sinks must be float32 or bfloat16, got {sinks.dtype}")
+  common.check_softmax_options(sliding_window, soft_cap, sinks, num_q_heads)
   if segment_ids is not None:
     if isinstance(segment_ids, (tuple, list)):
       if len(segment_ids) != 2:
@@ -723,7 +752,8 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
       lse = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], lse.shape)
     return (out, lse) if return_lse else out
   t = attention_tiling(q_len, kv_len, head_dim, group=group, dtype=q.dtype, chip=chip,
-                       block_q=block_q, block_k=block_k, vmem_limit_bytes=vmem_limit_bytes)
+                       block_q=block_q, block_k=block_k, vmem_limit_bytes=vmem_limit_bytes,
+                       causal=causal, sliding_window=sliding_window)
   st = _Static(
       causal=bool(causal),
       sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),

@@ -195,7 +195,8 @@ def check_aot():
     ct_lse = spec((1, q_heads, seq), jnp.float32, heads)
     group, local_kv = q_heads // kv_heads, kv_heads // NUM_SHARDS
     tiling = FA.attention_tiling(seq, seq, head_dim, group=group, dtype=jnp.bfloat16,
-                                 chip="v6e")
+                                 chip="v6e", causal=options.get("causal", False),
+                                 sliding_window=options.get("sliding_window"))
     local_q5 = f"bf16[1,{local_kv},{group},{seq},{head_dim}]"
     programs = {"fwd": (f, args, (FA.FORWARD_KERNEL,)),
                 "bwd": (grads_of(f, len(args)), [ct, ct_lse] + args,

@@ -121,3 +121,15 @@ def test_markdown_keeps_failed_rows(estimate):
   failed = estimate.finish_row(impl, "v5e", dict(compiled=False, error="exit -6: LLO_CHECK"))
   text = estimate.markdown([failed])
   assert "not rated: exit -6: LLO_CHECK" in text
+
+
+def test_mosaic_kernel_cycles_reads_instructions_that_span_lines():
+  from tpu_kernels import aot
+  text = ('  %a = f32[8] custom-call(), custom_call_target="tpu_custom_call", '
+          'backend_config={"kernel":"x\n  more", "estimated_cycles":"12"}\n'
+          '  %c = f32[8] add(%a, %a), backend_config={"estimated_cycles":"5"}\n'
+          '  ROOT %b = f32[8] custom-call(), custom_call_target="tpu_custom_call", '
+          'backend_config={"estimated_cycles":"30"}')
+  assert aot.mosaic_kernel_cycles(text) == [12, 30]
+  with pytest.raises(RuntimeError, match="no estimated_cycles"):
+    aot.mosaic_kernel_cycles('  %a = custom-call(), custom_call_target="tpu_custom_call"')

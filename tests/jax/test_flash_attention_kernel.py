@@ -178,7 +178,7 @@ def problems(draw, head_dims=PROPERTY_HEAD_DIMS, seq=SEQ, blocks=(None, 128), wi
       group=draw(st.integers(1, 4)), q_len=q_len, kv_len=kv_len,
       head_dim=draw(st.sampled_from(head_dims)),
       causal=mask in ("causal", "causal_window"), q_offset=q_offset,
-      sliding_window=(draw(windows or st.integers(1, kv_len + 10))
+      sliding_window=(draw(windows if windows is not None else st.integers(1, kv_len + 10))
                       if mask in ("window", "causal_window") else None),
       soft_cap=draw(st.sampled_from([None, None, 1.0, 5.0, 30.0])),
       # None: 1/sqrt(D); 1.0 gives very peaked rows (logits ~ +-sqrt(D)).
