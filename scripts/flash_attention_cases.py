@@ -179,8 +179,8 @@ def feature_programs(directions=("bwd",)) -> list[Program]:
 
 def tuned_programs(chip: str, directions=("bwd",)) -> list[Program]:
   """The tuning table's entries for `chip`: one program per distinct (head_dim, group,
-  block_q, block_k), at the shortest sequence bucket that takes it, G query heads on one
-  KV head (what is compiled depends on the blocks and the group, not on the length)."""
+  entry), at the shortest sequence bucket that takes it, G query heads on one KV head
+  (what is compiled depends on the blocks, limit and group, not on the length)."""
   from tpu_kernels import flash_attention_tuned
   seen, out = set(), []
   for (c, dtype, head_dim, group, seq), blocks in sorted(

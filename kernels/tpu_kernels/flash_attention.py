@@ -166,8 +166,8 @@ def tuning_key(chip: str, dtype, q_len: int, kv_len: int, head_dim: int, group: 
   return TuningKey(chips.get_chip(chip).name, np.dtype(dtype).name, d, g, seq)
 
 
-def tuned_blocks(key: TuningKey | None) -> tuple[int, int] | None:
-  """The table's (block_q, block_k) for a key, or None."""
+def tuned_blocks(key: TuningKey | None) -> tuple[int, int, int] | None:
+  """The table's (block_q, block_k, vmem_limit_bytes) for a key, or None."""
   if key is None:
     return None
   return flash_attention_tuned.BLOCKS.get(
@@ -181,10 +181,12 @@ def attention_tiling(q_len: int, kv_len: int, head_dim: int, *, group: int, dtyp
   """block_q / block_k for all three kernels from the chip's VMEM budget.
 
   Causal self-attention with no window takes the tuning table's entry when it has one
-  for the shape's bucket, it is a valid block pair here and its plan fits
-  (flash_attention_tuned.py, from libtpu's static estimates). Otherwise, among the
-  pairs whose plan fits: the largest smaller side (balanced blocks: fewer grid steps and
-  longer matmuls in both kernels' directions), then the larger block_k, then block_q."""
+  for the shape's bucket and it is a valid block pair here (flash_attention_tuned.py,
+  from libtpu's static estimates): its blocks under its scoped-VMEM limit (which may be
+  above the chip's default), or under the caller's limit if one is given and the plan
+  fits it. Otherwise, among the pairs whose plan fits: the largest smaller side
+  (balanced blocks: fewer grid steps and longer matmuls in both kernels' directions),
+  then the larger block_k, then block_q."""
   chip_ = chips.get_chip(chip)
   itemsize = np.dtype(dtype).itemsize
   sub = vmem.sublane_multiple(dtype)
@@ -198,8 +200,13 @@ def attention_tiling(q_len: int, kv_len: int, head_dim: int, *, group: int, dtyp
   if block_q is None and block_k is None:
     tuned = tuned_blocks(tuning_key(chip, dtype, q_len, kv_len, head_dim, group,
                                     causal=causal, sliding_window=sliding_window))
-  if tuned in fits:
-    return Tiling(*tuned, limit, plan(*tuned))
+  if tuned is not None and tuned[0] in q_cands and tuned[1] in k_cands:
+    bq, bk, tuned_limit = tuned
+    if vmem_limit_bytes is None:
+      limit = vmem.resolve_vmem_limit(chip_, tuned_limit)
+    if plan(bq, bk) <= int(limit * vmem.BUDGET_FRACTION):
+      return Tiling(bq, bk, limit, plan(bq, bk))
+    limit = vmem.resolve_vmem_limit(chip_, vmem_limit_bytes)
   if fits:
     bq, bk = max(fits, key=lambda c: (min(c), c[1], c[0]))
     return Tiling(bq, bk, limit, plan(bq, bk))

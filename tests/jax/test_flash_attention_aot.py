@@ -35,8 +35,8 @@ from aot_pool import compile_pool
 
 from flash_attention_cases import (AOT_CHIPS, FEATURE_CONFIGS, HEAD_DIMS, SEQ_LENS, Program,
                                    compile_case, default_config, default_programs,
-                                   feature_programs)
-from tpu_kernels import aot, chips
+                                   feature_programs, tuned_programs)
+from tpu_kernels import aot, chips, flash_attention_tuned
 
 pytestmark = pytest.mark.aot
 
@@ -67,10 +67,14 @@ def _group(item):
     return None
   if "head_dim" in params:
     return ("default", params["head_dim"], params["chip"])
+  if item.originalname == "test_tuning_table_entries_compile":
+    return ("tuned", None, params["chip"])
   return ("features", None, params["chip"])
 
 
-def _programs(kind, head_dim):
+def _programs(kind, head_dim, chip):
+  if kind == "tuned":
+    return tuned_programs(chip)
   return default_programs(head_dim) if kind == "default" else feature_programs()
 
 
@@ -82,7 +86,7 @@ def compiles(request):
   groups = [g for item in request.session.items
             if getattr(item, "module", None) is request.module and (g := _group(item))]
   with compile_pool() as executor:
-    futures = {g: [(p, executor.submit(compile_case, p, g[2])) for p in _programs(*g[:2])]
+    futures = {g: [(p, executor.submit(compile_case, p, g[2])) for p in _programs(*g)]
                for g in dict.fromkeys(groups)}
     yield futures
     for pending in futures.values():   # a failed test leaves its compiles unread
@@ -118,6 +122,20 @@ def test_feature_programs_compile(compiles, chip, record_property):
   """All features at once, gpt-oss-like, MQA, f32."""
   group = ("features", None, chip)
   assert [p.config.name for p, _ in compiles[group]] == list(FEATURE_CONFIGS)
+  _compile_and_check(compiles, group, record_property)
+
+
+@pytest.mark.parametrize("chip", sorted({key[0] for key in flash_attention_tuned.BLOCKS}))
+def test_tuning_table_entries_compile(compiles, chip, record_property):
+  """Every (head_dim, group, blocks, VMEM limit) of the chip's tuning table, backward
+  (fwd + dq + dkv), compiles under the scoped-VMEM limit of its entry."""
+  group = ("tuned", None, chip)
+  programs = [p for p, _ in compiles[group]]
+  table = {(k[2], k[3], entry) for k, entry in flash_attention_tuned.BLOCKS.items()
+           if k[0] == chip}
+  tilings = {p: p.tiling(chip) for p in programs}
+  assert {(p.config.head_dim, p.config.group, (t.block_q, t.block_k, t.vmem_limit_bytes))
+          for p, t in tilings.items()} == table
   _compile_and_check(compiles, group, record_property)
 
 

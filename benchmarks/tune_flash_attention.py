@@ -1,0 +1,176 @@
+"""Tunes flash attention's (block_q, block_k) with libtpu's static estimate; writes the table.
+
+    python benchmarks/tune_flash_attention.py [--out kernels/tpu_kernels/flash_attention_tuned.py]
+
+For every key of the grid below (chip, dtype, head_dim, group, sequence bucket: causal
+self-attention without a window, i.e. prefill), each (block_q, block_k) pair of
+{256, 512, 1024} that the kernel allows at the bucket's length is rated, under the
+chip's default scoped-VMEM limit or, where its plan for the key's group needs more,
+the smallest whole-MiB limit that fits it (up to the chip's maximum), and the one with
+the fewest cycles wins (ties: the larger blocks). A candidate is rated on the causal forward's MHA program, one
+head (benchmarks/attention_estimate.py: the GQA program rates at 0 cycles; per query
+head the work is the same), at the bucket's length, or at MAX_RATED_SEQ for longer
+buckets (the estimator unrolls every grid step; per visited tile the cost is the same,
+so the ranking carries over). Backward kernels use the same blocks; the rating is the
+forward's (the inference path). Every rating goes to benchmarks/results/flash_tuning.jsonl,
+the winners to the generated table module, which ships with the kernel. Static estimates,
+not measurements. Each (head_dim, length) is rated in its own subprocess (the estimator's
+memory grows with every compile of a process).
+
+v6e only: on v5e, libtpu 0.0.42's static profile aborts the process on this kernel (an
+LLO_CHECK on a bf16 matmul operand; the kernel compiles for v5e without the profile
+flag, see tests/jax/test_flash_attention_aot.py). v5e shapes take the heuristic tiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "kernels"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+if "--rate" in sys.argv:   # the rating child needs the profile flag before jax loads
+  os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
+                                    " --xla_jf_dump_static_llo_profile_to=" +
+                                    tempfile.mkdtemp(prefix="static_llo_profile_"))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax.numpy as jnp  # noqa: E402
+
+from tpu_kernels import chips, flash_attention as F, vmem  # noqa: E402
+
+CHIPS = ("v6e",)
+DTYPES = ("bfloat16",)
+HEAD_DIMS = (64, 128, 256)
+GROUPS = (1, 4, 8)
+SEQS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+BLOCKS = (256, 512, 1024)
+MAX_RATED_SEQ = 8192
+
+
+def grid() -> list[F.TuningKey]:
+  return [F.TuningKey(c, d, h, g, s) for c in CHIPS for d in DTYPES for h in HEAD_DIMS
+          for g in GROUPS for s in SEQS]
+
+
+def candidates(key: F.TuningKey) -> dict[tuple[int, int], int]:
+  """{(block_q, block_k): scoped-VMEM limit} of the pairs the kernel allows at the
+  bucket's length: under the chip's default limit where the plan fits its budget, else
+  under the smallest whole-MiB limit that makes it fit, up to the chip's maximum."""
+  chip = chips.get_chip(key.chip)
+  out = {}
+  for bq in BLOCKS:
+    for bk in BLOCKS:
+      if bq > key.seq or bk > key.seq:
+        continue
+      t = F.attention_tiling(key.seq, key.seq, key.head_dim, group=key.group,
+                             dtype=jnp.dtype(key.dtype), chip=key.chip, block_q=bq, block_k=bk)
+      if (t.block_q, t.block_k) != (bq, bk):
+        continue
+      needed = vmem.round_up(math.ceil(t.vmem_plan_bytes / vmem.BUDGET_FRACTION), vmem.MiB)
+      limit = max(chip.default_scoped_vmem_bytes, needed)
+      if limit <= chip.max_vmem_limit_bytes:
+        out[(bq, bk)] = limit
+  return out
+
+
+def rated_seq(key: F.TuningKey) -> int:
+  return min(key.seq, MAX_RATED_SEQ)
+
+
+def rate(chip: str, dtype: str, head_dim: int, seq: int, pairs) -> list[dict]:
+  """Cycles of the one-head causal forward at each (block_q, block_k) (in this process)."""
+  import attention_estimate
+  import headline
+  from tpu_kernels import aot
+  case = headline.Attention(seq=seq, q_heads=1, kv_heads=1, head_dim=head_dim, dtype=dtype)
+  rows = []
+  for bq, bk in pairs:
+    t = F.Tiling(bq, bk, vmem.resolve_vmem_limit(chips.get_chip(chip), None), 0)
+    fn, specs = attention_estimate.mha_program(seq, 1, case, t, chip)
+    report = aot.compile_for_chip(fn, specs, chip)
+    rows.append(dict(chip=chip, dtype=dtype, head_dim=head_dim, seq=seq, block_q=bq,
+                     block_k=bk, compiled=report.ok, error=report.error,
+                     estimated_cycles=report.estimated_cycles))
+  return rows
+
+
+def module_text(table: dict[F.TuningKey, tuple[int, int]]) -> str:
+  head = (ROOT / "kernels/tpu_kernels/flash_attention_tuned.py").read_text().split(
+      "BLOCKS:")[0]
+  lines = [head + "BLOCKS: dict[tuple[str, str, int, int, int], tuple[int, int, int]] = {"]
+  for key in sorted(table):
+    lines.append(f"    ({key.chip!r}, {key.dtype!r}, {key.head_dim}, {key.group}, "
+                 f"{key.seq}): {table[key]},")
+  lines.append("}")
+  return "\n".join(lines) + "\n"
+
+
+def table_from_ratings(ratings: dict) -> dict[F.TuningKey, tuple[int, int, int]]:
+  """Per key, the allowed pair with the fewest cycles (ties: the larger blocks), with the
+  scoped-VMEM limit it needs."""
+  table = {}
+  for key in grid():
+    allowed = candidates(key)
+    rated = [(ratings[r], -bq * bk, -bk, (bq, bk, limit)) for (bq, bk), limit in allowed.items()
+             if (r := (key.chip, key.dtype, key.head_dim, rated_seq(key), bq, bk)) in ratings]
+    if rated:
+      table[key] = min(rated)[3]
+  return table
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", default=str(ROOT / "kernels/tpu_kernels/flash_attention_tuned.py"))
+  p.add_argument("--log", default=str(ROOT / "benchmarks/results/flash_tuning.jsonl"))
+  p.add_argument("--from-log", action="store_true",
+                 help="rebuild the table from the ratings already in --log (no estimator)")
+  p.add_argument("--rate", help=argparse.SUPPRESS)   # internal: one rating job, JSON lines
+  a = p.parse_args(argv)
+  if a.rate:
+    job = json.loads(a.rate)
+    for row in rate(job["chip"], job["dtype"], job["head_dim"], job["seq"],
+                    [tuple(x) for x in job["pairs"]]):
+      print("ROW " + json.dumps(row), flush=True)
+    return 0
+  if a.from_log:
+    rows = [json.loads(line) for line in Path(a.log).read_text().splitlines()]
+  else:
+    jobs: dict[tuple, set] = {}   # (chip, dtype, head_dim, rated seq) -> pairs to rate
+    for key in grid():
+      jobs.setdefault((key.chip, key.dtype, key.head_dim, rated_seq(key)), set()).update(
+          candidates(key))
+    rows = []
+    with open(a.log, "w") as log:
+      for (chip, dtype, head_dim, seq), pairs in sorted(jobs.items()):
+        job = dict(chip=chip, dtype=dtype, head_dim=head_dim, seq=seq, pairs=sorted(pairs))
+        result = subprocess.run([sys.executable, __file__, "--rate", json.dumps(job)],
+                                capture_output=True, text=True)
+        done = [json.loads(line[4:]) for line in result.stdout.splitlines()
+                if line.startswith("ROW ")]
+        if result.returncode or len(done) != len(pairs):
+          raise RuntimeError(f"rating {job} failed: {result.stderr[-2000:]}")
+        for row in done:
+          log.write(json.dumps(row) + "\n")
+          print(f"{chip} {dtype} D={head_dim} S={seq} {row['block_q']}x{row['block_k']}: "
+                f"{row['estimated_cycles']} cycles", flush=True)
+        rows += done
+  ratings = {(r["chip"], r["dtype"], r["head_dim"], r["seq"], r["block_q"], r["block_k"]):
+             r["estimated_cycles"] for r in rows if r["compiled"] and r["estimated_cycles"]}
+  table = table_from_ratings(ratings)
+  Path(a.out).write_text(module_text(table))
+  print(f"wrote {a.out} ({len(table)} entries)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
