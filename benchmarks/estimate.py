@@ -294,6 +294,12 @@ def _us(x) -> str:
   return "" if x is None else f"{x:,.2f}"
 
 
+def _error(message: str | None) -> str:
+  """A table cell for an error: no log prefix, at most 160 characters."""
+  message = re.sub(r"F\d{4} [\d:.]+\s+\d+ \S+\] ", "", message or "")
+  return message[:160] + ("..." if len(message) > 160 else "")
+
+
 def markdown(rows: list[dict]) -> str:
   lines = ["| case | impl | chip | cycles | compute µs | HBM µs | predicted µs | roofline µs "
            "| efficiency |",
@@ -301,7 +307,7 @@ def markdown(rows: list[dict]) -> str:
   for r in rows:
     if "predicted_us" not in r:
       lines.append(f"| {r['case']} | {r['implementation']} | {r['chip']} "
-                   f"| not rated: {r['error']} ||||||")
+                   f"| not rated: {_error(r['error'])} ||||||")
       continue
     cycles = "cost_analysis" if r.get("estimated_cycles") is None else \
         f"{r['estimated_cycles']:,}"
@@ -333,7 +339,7 @@ def targets(rows: list[dict]) -> list[str]:
               and o["source"] != OURS and "predicted_us" in o]
     best = min(others, key=lambda o: o["predicted_us"], default=None)
     if "predicted_us" not in r:
-      out.append(f"| {r['case']} | {r['chip']} | not rated: {r['error']} |||||||")
+      out.append(f"| {r['case']} | {r['chip']} | not rated: {_error(r['error'])} |||||||")
       continue
     eff = f"{r['efficiency']:.2f} " + ("(met)" if r["efficiency"] >= r["target"] else
                                        f"(short by {r['target'] - r['efficiency']:.2f})")
@@ -348,42 +354,53 @@ def targets(rows: list[dict]) -> list[str]:
   return out
 
 
+def _short(implementation: str) -> str:
+  """A bar label: the implementation without its version parenthesis."""
+  return re.sub(r" \(jax [0-9.]+,? ?", " (", implementation).replace(" ()", "")
+
+
 def chart(rows: list[dict], path: Path) -> None:
-  """Efficiency per case and implementation, one panel per chip (PNG)."""
+  """Efficiency per case, one bar per implementation (ours, XLA, anchors), labelled, one
+  panel per chip (PNG). Unrated implementations get no bar."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   chip_names = sorted({r["chip"] for r in rows})
   cases = list(dict.fromkeys(r["case"] for r in rows))
-  impls = list(dict.fromkeys((r["source"], r["implementation"]) for r in rows))
-  colors = {OURS: "#1f77b4", XLA: "#7f7f7f", ANCHOR: "#ff7f0e"}
-  fig, axes = plt.subplots(1, len(chip_names), figsize=(7 * len(chip_names), 0.5 * len(cases)
-                                                       * max(2, len(impls) / 3) + 2),
+  order = {OURS: 0, XLA: 1, ANCHOR: 2}
+  colors = {OURS: "#1f77b4", XLA: "#8c8c8c", ANCHOR: "#ff7f0e"}
+  per_case = {c: sorted(dict.fromkeys((r["source"], r["implementation"]) for r in rows
+                                      if r["case"] == c), key=lambda x: order[x[0]])
+              for c in cases}
+  height = sum(len(v) + 1.5 for v in per_case.values())
+  fig, axes = plt.subplots(1, len(chip_names), figsize=(9 * len(chip_names), 0.22 * height + 1.5),
                            squeeze=False, sharey=True)
-  height = 0.8 / max(1, len(impls))
   for ax, chip in zip(axes[0], chip_names):
-    for k, (source, impl) in enumerate(impls):
-      ys, xs = [], []
-      for i, case in enumerate(cases):
+    y, ticks = 0.0, []
+    for case in cases:
+      ticks.append((y, case))
+      for source, impl in per_case[case]:
+        y += 1
         r = next((r for r in rows if r["chip"] == chip and r["case"] == case
                   and r["implementation"] == impl), None)
-        if r is not None and "efficiency" in r:
-          ys.append(i + k * height)
-          xs.append(r["efficiency"])
-      ax.barh(ys, xs, height=height, color=colors[source], alpha=0.9 if source == OURS else 0.6,
-              label=f"{impl}" if source != OURS else "ours (pallas)")
+        rated = r is not None and "efficiency" in r
+        value = r["efficiency"] if rated else 0.0
+        ax.barh(y, value, height=0.8, color=colors[source])
+        label = (f"{value:.2f} " if rated else "not rated: ") + \
+            ("ours (pallas)" if source == OURS else _short(impl))
+        ax.text(value + 0.01, y, label, va="center", fontsize=6)
+      y += 1.5
     for target, style in ((0.85, "--"), (0.75, ":")):
       ax.axvline(target, color="black", linestyle=style, linewidth=0.8)
-    ax.set_xlim(0, 1.05)
-    ax.set_title(f"{chip}: efficiency = roofline / predicted (static estimate)")
-    ax.set_yticks([i + 0.4 for i in range(len(cases))])
-    ax.set_yticklabels(cases, fontsize=7)
-    ax.invert_yaxis()
-  handles, labels = axes[0][0].get_legend_handles_labels()
-  unique = dict(zip(labels, handles))
-  fig.legend(unique.values(), unique.keys(), loc="lower center", ncol=3, fontsize=7)
-  fig.tight_layout(rect=(0, 0.08, 1, 1))
+    ax.set_xlim(0, 1.6)
+    ax.set_xticks([0, 0.25, 0.5, 0.75, 0.85, 1.0])
+    ax.set_title(f"{chip}: efficiency = roofline / predicted (static estimate, not measured)",
+                 fontsize=9)
+    ax.set_yticks([t for t, _ in ticks])
+    ax.set_yticklabels([c for _, c in ticks], fontsize=7, fontweight="bold")
+  axes[0][0].invert_yaxis()   # shared by every panel: invert once (cases top to bottom)
+  fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
 

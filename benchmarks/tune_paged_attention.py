@@ -9,14 +9,14 @@ batch (G = 4 query heads per KV head, 8192 tokens of context); the candidate wit
 fewest estimated cycles wins (ties: the larger block, fewer grid steps). Every
 candidate's estimate goes to benchmarks/results/paged_tuning.jsonl, and the winners to
 the generated table module, which ships with the kernel. Static estimates, not
-measurements. About 10 minutes. Each key is rated in its own subprocess: the estimator's
+measurements. About 15 minutes. Each candidate is rated in its own subprocess: the estimator's
 memory grows with every compile of a process (one process rating the whole grid reached
 22 GB and was killed).
 
-v6e only: on v5e, libtpu 0.0.42's static profile aborts the process on this kernel (an
-LLO_CHECK in a vunpack, "Expected vector-int16, got vector-int32"; the same kernel
-compiles for v5e without the profile flag, see tests/jax/test_paged_attention_aot.py).
-v5e shapes therefore take the heuristic tiling.
+v5e and v6e. On v5e libtpu 0.0.42's static profile aborts the process on some
+candidates (an LLO_CHECK in a vunpack, mostly with int8 caches); a key with any unrated
+candidate keeps the heuristic tiling (the unrated one might have won). The kernel
+compiles for v5e without the profile flag (tests/jax/test_paged_attention_aot.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from tpu_kernels import chips, paged_attention as PA, vmem  # noqa: E402
 
-CHIPS = ("v6e",)
+CHIPS = ("v5e", "v6e")
 CONTEXT = 8192
 GROUP = 4
 
@@ -75,11 +76,25 @@ def module_text(table: dict[PA.TuningKey, int]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def rate(key: PA.TuningKey) -> list[dict]:
-  """Every candidate of one key, estimated in this process."""
+def rate(key: PA.TuningKey, block_kv: int | None = None) -> list[dict]:
+  """Every candidate of one key (or just `block_kv`), estimated in this process."""
   case = paged_estimate.PagedDecode(CONTEXT, 64, GROUP * key.num_kv_heads, key.num_kv_heads,
                                    key.head_dim, key.page_size, key.kv_dtype)
-  return [paged_estimate.estimate(case, key.chip, block_kv) for block_kv in candidates(key)]
+  chosen = candidates(key) if block_kv is None else [block_kv]
+  return [paged_estimate.estimate(case, key.chip, b) for b in chosen]
+
+
+def table_from_ratings(rows: list[dict]) -> dict[PA.TuningKey, int]:
+  """Per key, the candidate with the fewest cycles (ties: the larger block). A key with
+  any candidate the estimator could not rate keeps the heuristic: the unrated one might
+  have won."""
+  table = {}
+  for key in grid():
+    mine = [r for r in rows if PA.TuningKey(*r["key"]) == key]
+    if mine and all(r["estimated_cycles"] for r in mine) and \
+        {r["block_kv"] for r in mine} == set(candidates(key)):
+      table[key] = -min((r["estimated_cycles"], -r["block_kv"]) for r in mine)[1]
+  return table
 
 
 def main(argv=None) -> int:
@@ -87,23 +102,38 @@ def main(argv=None) -> int:
   p.add_argument("--out", default=str(ROOT / "kernels/tpu_kernels/paged_attention_tuned.py"))
   p.add_argument("--log", default=str(ROOT / "benchmarks/results/paged_tuning.jsonl"))
   p.add_argument("--key", help=argparse.SUPPRESS)   # internal: rate one key, print JSON lines
+  p.add_argument("--block-kv", type=int, help=argparse.SUPPRESS)   # ... at this candidate
+  p.add_argument("--from-log", action="store_true",
+                 help="rebuild the table from the ratings already in --log (no estimator)")
   a = p.parse_args(argv)
   if a.key:
-    for row in rate(PA.TuningKey(*json.loads(a.key))):
+    for row in rate(PA.TuningKey(*json.loads(a.key)), a.block_kv):
       print("ROW " + json.dumps(row), flush=True)
     return 0
-  table = {}
-  with open(a.log, "w") as log:
-    for key in grid():
-      result = subprocess.run(
-          [sys.executable, __file__, "--key", json.dumps(dataclasses.astuple(key))],
-          capture_output=True, text=True, check=True)
-      rows = [json.loads(line[4:]) for line in result.stdout.splitlines()
-              if line.startswith("ROW ")]
-      for row in rows:
-        log.write(json.dumps(row) + "\n")
-        print(f"{key}: block_kv {row['block_kv']}: {row['estimated_cycles']} cycles", flush=True)
-      table[key] = -min((r["estimated_cycles"], -r["block_kv"]) for r in rows)[1]
+  if a.from_log:
+    rows = [json.loads(line) for line in Path(a.log).read_text().splitlines()]
+  else:
+    rows = []
+    with open(a.log, "w") as log:
+      for key in grid():
+        for block_kv in candidates(key):   # one child per candidate: the estimator may abort
+          result = subprocess.run(
+              [sys.executable, __file__, "--key", json.dumps(dataclasses.astuple(key)),
+               "--block-kv", str(block_kv)], capture_output=True, text=True)
+          found = [json.loads(line[4:]) for line in result.stdout.splitlines()
+                   if line.startswith("ROW ")]
+          if result.returncode or not found:
+            fatal = [l for l in result.stderr.splitlines() if re.match(r"F\d{4} ", l)][:1]
+            row = dict(block_kv=block_kv, estimated_cycles=None,
+                       error=f"exit {result.returncode}: {(fatal or [''])[0][:300]}")
+          else:
+            row = found[0]
+          row["key"] = list(dataclasses.astuple(key))
+          rows.append(row)
+          log.write(json.dumps(row) + "\n")
+          print(f"{key}: block_kv {block_kv}: {row['estimated_cycles']} cycles "
+                f"{row.get('error') or ''}", flush=True)
+  table = table_from_ratings(rows)
   Path(a.out).write_text(module_text(table))
   print(f"wrote {a.out}")
   return 0

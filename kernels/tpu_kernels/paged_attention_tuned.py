@@ -9,6 +9,7 @@ paged_attention.tuning_key (tests/jax/test_paged_attention_tiling.py checks ever
 """
 
 BLOCK_KV: dict[tuple[str, str, int, int, int], int] = {
+    ('v5e', 'bfloat16', 256, 128, 8): 512,
     ('v6e', 'bfloat16', 16, 128, 8): 1024,
     ('v6e', 'bfloat16', 64, 128, 8): 1024,
     ('v6e', 'bfloat16', 256, 128, 8): 1024,
