@@ -85,7 +85,14 @@ def test_card_release_section(repo):
   assert "ragged_dot Qwen3-30B-A3B down bf16 m=8192 | pallas | v6e" in ragged
   assert "rms_norm bf16" not in ragged[ragged.index("## Release"):]
   flash = (dist / "flash-attention-tpu" / "README.md").read_text()
-  assert "No static estimates recorded for this kernel yet" in flash
+  flash_notes = flash[flash.index("## Release"):]
+  assert "| flash_attention causal B=1 H=32/8 S=4096 D=128 bf16 | pallas | v6e |" in flash_notes
+  assert "ragged_dot" not in flash_notes and "paged_attention decode" not in flash_notes
+  # A kernel with no row in the table gets the explicit sentence instead.
+  planned = {**manifest, "kernel": {**manifest["kernel"], "new-kernel-tpu": {
+      **manifest["kernel"]["rms-norm-tpu"], "torch-package": "torch-ext/new_kernel_tpu"}}}
+  notes = build_py.release_notes("new-kernel-tpu", planned, "_ns", None, None)
+  assert "No static estimates recorded for this kernel yet" in notes
   # The technical content of the card is untouched: the card, formatted, comes first.
   source_card = (repo / manifest["kernel"]["rms-norm-tpu"]["card"]).read_text()
   assert rms.startswith(source_card[:source_card.index("{version}")])
