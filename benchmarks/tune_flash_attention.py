@@ -7,9 +7,10 @@ self-attention without a window, i.e. prefill), each (block_q, block_k) pair of
 {256, 512, 1024} that the kernel allows at the bucket's length is rated, under the
 chip's default scoped-VMEM limit or, where its plan for the key's group needs more,
 the smallest whole-MiB limit that fits it (up to the chip's maximum), and the one with
-the fewest cycles wins (ties: the larger blocks). A candidate is rated on the causal forward's MHA program, one
-head (benchmarks/attention_estimate.py: the GQA program rates at 0 cycles; per query
-head the work is the same), at the bucket's length, or at MAX_RATED_SEQ for longer
+the fewest cycles wins (ties: the larger blocks). A candidate is rated on the causal
+forward's MHA program, one head (benchmarks/attention_estimate.py: the GQA program rates
+at 0 cycles; per query head the work is the same), at the bucket's length, or at
+MAX_RATED_SEQ for longer
 buckets (the estimator unrolls every grid step; per visited tile the cost is the same,
 so the ranking carries over). Backward kernels use the same blocks; the rating is the
 forward's (the inference path). Every rating goes to benchmarks/results/flash_tuning.jsonl,
