@@ -15,21 +15,20 @@ buckets (the estimator unrolls every grid step; per visited tile the cost is the
 so the ranking carries over). Backward kernels use the same blocks; the rating is the
 forward's (the inference path). Every rating goes to benchmarks/results/flash_tuning.jsonl,
 the winners to the generated table module, which ships with the kernel. Static estimates,
-not measurements. Each (head_dim, length) is rated in its own subprocess (the estimator's
-memory grows with every compile of a process).
-
-v6e only: on v5e, libtpu 0.0.42's static profile aborts the process on this kernel (an
-LLO_CHECK on a bf16 matmul operand; the kernel compiles for v5e without the profile
-flag, see tests/jax/test_flash_attention_aot.py). v5e shapes take the heuristic tiling.
+not measurements. Each (chip, head_dim, length) is rated in its own subprocess (the
+estimator's memory grows with every compile of a process); if the estimator aborts that
+process, each pair is re-rated alone, and a key with any pair left unrated keeps the
+heuristic tiling (the unrated pair might have won). `--chips v5e` re-rates one chip and
+keeps the log's other rows; `--from-log` rebuilds the table without the estimator.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -49,7 +48,9 @@ import jax.numpy as jnp  # noqa: E402
 
 from tpu_kernels import chips, flash_attention as F, vmem  # noqa: E402
 
-CHIPS = ("v6e",)
+import tuning  # noqa: E402
+
+CHIPS = ("v5e", "v6e")
 DTYPES = ("bfloat16",)
 HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 4, 8)
@@ -58,8 +59,8 @@ BLOCKS = (256, 512, 1024)
 MAX_RATED_SEQ = 8192
 
 
-def grid() -> list[F.TuningKey]:
-  return [F.TuningKey(c, d, h, g, s) for c in CHIPS for d in DTYPES for h in HEAD_DIMS
+def grid(chips_: tuple[str, ...] = CHIPS) -> list[F.TuningKey]:
+  return [F.TuningKey(c, d, h, g, s) for c in chips_ for d in DTYPES for h in HEAD_DIMS
           for g in GROUPS for s in SEQS]
 
 
@@ -105,70 +106,72 @@ def rate(chip: str, dtype: str, head_dim: int, seq: int, pairs) -> list[dict]:
   return rows
 
 
-def module_text(table: dict[F.TuningKey, tuple[int, int]]) -> str:
-  head = (ROOT / "kernels/tpu_kernels/flash_attention_tuned.py").read_text().split(
-      "BLOCKS:")[0]
-  lines = [head + "BLOCKS: dict[tuple[str, str, int, int, int], tuple[int, int, int]] = {"]
-  for key in sorted(table):
-    lines.append(f"    ({key.chip!r}, {key.dtype!r}, {key.head_dim}, {key.group}, "
-                 f"{key.seq}): {table[key]},")
-  lines.append("}")
-  return "\n".join(lines) + "\n"
-
-
 def table_from_ratings(ratings: dict) -> dict[F.TuningKey, tuple[int, int, int]]:
   """Per key, the allowed pair with the fewest cycles (ties: the larger blocks), with the
-  scoped-VMEM limit it needs."""
+  scoped-VMEM limit it needs. A key with any allowed pair the estimator could not rate
+  keeps the heuristic: the unrated pair might have won."""
   table = {}
   for key in grid():
     allowed = candidates(key)
     rated = [(ratings[r], -bq * bk, -bk, (bq, bk, limit)) for (bq, bk), limit in allowed.items()
              if (r := (key.chip, key.dtype, key.head_dim, rated_seq(key), bq, bk)) in ratings]
-    if rated:
+    if rated and len(rated) == len(allowed):
       table[key] = min(rated)[3]
   return table
+
+
+def rate_jobs(jobs: dict[tuple, set]) -> list[dict]:
+  """Rates every (chip, dtype, head_dim, rated seq) -> pairs job in a child. If the child
+  dies (the estimator aborted on one pair), each pair is rated in a child of its own and
+  the ones that still fail are logged without cycles."""
+  rows = []
+  for (chip, dtype, head_dim, seq), pairs in sorted(jobs.items()):
+    job = dict(chip=chip, dtype=dtype, head_dim=head_dim, seq=seq, pairs=sorted(pairs))
+    done, error = tuning.run_child(__file__, ["--rate", json.dumps(job)])
+    if error or len(done) != len(pairs):
+      done = []
+      for pair in sorted(pairs):
+        one, error = tuning.run_child(__file__, ["--rate", json.dumps({**job, "pairs": [pair]})])
+        done += one or [dict(chip=chip, dtype=dtype, head_dim=head_dim, seq=seq,
+                             block_q=pair[0], block_k=pair[1], compiled=False, error=error,
+                             estimated_cycles=None)]
+    for row in done:
+      print(f"{chip} {dtype} D={head_dim} S={seq} {row['block_q']}x{row['block_k']}: "
+            f"{row['estimated_cycles']} cycles {row['error'] or ''}", flush=True)
+    rows += done
+  return rows
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default=str(ROOT / "kernels/tpu_kernels/flash_attention_tuned.py"))
   p.add_argument("--log", default=str(ROOT / "benchmarks/results/flash_tuning.jsonl"))
+  p.add_argument("--chips", nargs="+", default=list(CHIPS),
+                 help="re-rate these chips; the log's rows for the others are kept")
   p.add_argument("--from-log", action="store_true",
                  help="rebuild the table from the ratings already in --log (no estimator)")
-  p.add_argument("--rate", help=argparse.SUPPRESS)   # internal: one rating job, JSON lines
+  p.add_argument("--rate", help=argparse.SUPPRESS)   # internal: one rating job, ROW lines
   a = p.parse_args(argv)
   if a.rate:
     job = json.loads(a.rate)
     for row in rate(job["chip"], job["dtype"], job["head_dim"], job["seq"],
                     [tuple(x) for x in job["pairs"]]):
-      print("ROW " + json.dumps(row), flush=True)
+      tuning.print_row(row)
     return 0
   if a.from_log:
-    rows = [json.loads(line) for line in Path(a.log).read_text().splitlines()]
+    rows = tuning.read_log(a.log)
   else:
     jobs: dict[tuple, set] = {}   # (chip, dtype, head_dim, rated seq) -> pairs to rate
-    for key in grid():
+    for key in grid(tuple(a.chips)):
       jobs.setdefault((key.chip, key.dtype, key.head_dim, rated_seq(key)), set()).update(
           candidates(key))
-    rows = []
-    with open(a.log, "w") as log:
-      for (chip, dtype, head_dim, seq), pairs in sorted(jobs.items()):
-        job = dict(chip=chip, dtype=dtype, head_dim=head_dim, seq=seq, pairs=sorted(pairs))
-        result = subprocess.run([sys.executable, __file__, "--rate", json.dumps(job)],
-                                capture_output=True, text=True)
-        done = [json.loads(line[4:]) for line in result.stdout.splitlines()
-                if line.startswith("ROW ")]
-        if result.returncode or len(done) != len(pairs):
-          raise RuntimeError(f"rating {job} failed: {result.stderr[-2000:]}")
-        for row in done:
-          log.write(json.dumps(row) + "\n")
-          print(f"{chip} {dtype} D={head_dim} S={seq} {row['block_q']}x{row['block_k']}: "
-                f"{row['estimated_cycles']} cycles", flush=True)
-        rows += done
+    rows = tuning.kept_rows(a.log, lambda r: r["chip"] in a.chips) + rate_jobs(jobs)
+    tuning.write_log(a.log, rows)
   ratings = {(r["chip"], r["dtype"], r["head_dim"], r["seq"], r["block_q"], r["block_k"]):
              r["estimated_cycles"] for r in rows if r["compiled"] and r["estimated_cycles"]}
-  table = table_from_ratings(ratings)
-  Path(a.out).write_text(module_text(table))
+  table = {dataclasses.astuple(k): v for k, v in table_from_ratings(ratings).items()}
+  tuning.write_table_module(a.out, "BLOCKS", "dict[tuple[str, str, int, int, int], "
+                            "tuple[int, int, int]]", table)
   print(f"wrote {a.out} ({len(table)} entries)")
   return 0
 

@@ -396,7 +396,10 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
       p = jnp.exp(s - common.lanes(m_new, bk))
       if mask is not None:
-        p = jnp.where(mask, p, 0.0)   # a fully masked row has m_new = _MASK_VALUE, p = 1
+        # A fully masked row has m_new = _MASK_VALUE, so p = 1 there: zero it. p is finite
+        # here, so a multiply is exact; jnp.where would feed a masked bf16 matmul that
+        # libtpu 0.0.42's v5e static estimator rejects (an LLO_CHECK), leaving v5e unrated.
+        p = p * mask.astype(jnp.float32)
       alpha = jnp.exp(m_prev - m_new)
       l_ref[g] = alpha * l_ref[g] + jnp.sum(p, axis=1, keepdims=True)
       acc_ref[g] = common.lanes(alpha, head_dim) * acc_ref[g] + lax.dot_general(

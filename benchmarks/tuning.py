@@ -1,0 +1,92 @@
+"""Plumbing shared by the estimator-driven tools (estimate.py, anchors.py, the tuners).
+
+Every rating runs in a child process: libtpu's static estimator may abort the process
+(an LLO_CHECK is a fatal log line, not an exception), and its memory grows with every
+compile of a process. A child prints each result as one `ROW {json}` line on stdout;
+`run_child` collects them, and on failure returns the first fatal log line as the error.
+
+The tuners log every rating as JSON lines (`read_log`, `write_log`; re-rating some chips
+keeps the other chips' rows) and write their winners as a generated Python module whose
+header (docstring, imports) is kept from the current file (`write_table_module`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Iterable
+
+ROW_PREFIX = "ROW "
+PROFILE_FLAG = re.compile(r"--xla_jf_dump_static_llo_profile_to=\S+")
+
+
+def print_row(row: dict) -> None:
+  """Called in a child: hands one result to the parent."""
+  print(ROW_PREFIX + json.dumps(row), flush=True)
+
+
+def fatal_line(stderr: str) -> str:
+  """The line that says why a child died: libtpu's first fatal log line (`F1130 ...`), else
+  the last line naming an error, else the last line."""
+  lines = stderr.strip().splitlines()
+  found = [l for l in lines if re.match(r"F\d{4} ", l)][:1] or \
+      [l for l in lines if "Error" in l][-1:] or lines[-1:]
+  return found[0][:400] if found else ""
+
+
+def child_env(**extra: str) -> dict[str, str]:
+  """This process's environment without a static-profile directory (each child that wants
+  the profile makes its own, before jax loads), plus `extra`."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", **extra}
+  env["LIBTPU_INIT_ARGS"] = PROFILE_FLAG.sub("", env.get("LIBTPU_INIT_ARGS", "")).strip()
+  return env
+
+
+def run_child(script: str | Path, args: Iterable[str], *, timeout: float | None = None,
+              env: dict[str, str] | None = None) -> tuple[list[dict], str | None]:
+  """Runs `python script args...`; returns (the rows it printed, None) or, if it failed or
+  printed no row, (the rows it printed, why)."""
+  try:
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True,
+                            text=True, timeout=timeout, env=env or child_env())
+  except subprocess.TimeoutExpired:
+    return [], f"rating took over {timeout} s"
+  rows = [json.loads(line[len(ROW_PREFIX):]) for line in result.stdout.splitlines()
+          if line.startswith(ROW_PREFIX)]
+  if result.returncode:
+    return rows, f"exit {result.returncode}: {fatal_line(result.stderr)}"
+  if not rows:
+    return rows, f"no result: {fatal_line(result.stderr)}"
+  return rows, None
+
+
+def read_log(path: str | Path) -> list[dict]:
+  path = Path(path)
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_log(path: str | Path, rows: list[dict]) -> None:
+  Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def kept_rows(path: str | Path, replaced: Callable[[dict], bool]) -> list[dict]:
+  """The rows of the log at `path` that a new run does not replace."""
+  return [r for r in read_log(path) if not replaced(r)]
+
+
+def write_table_module(path: str | Path, table_name: str, annotation: str,
+                       entries: dict[tuple, object]) -> None:
+  """Rewrites the generated module at `path`: its text up to `<table_name>:` is kept, the
+  table is written sorted by key, one entry per line."""
+  path = Path(path)
+  head = path.read_text().split(f"{table_name}:")[0]
+  lines = [f"{head}{table_name}: {annotation} = {{"]
+  lines += [f"    {key!r}: {entries[key]!r}," for key in sorted(entries)]
+  lines.append("}")
+  path.write_text("\n".join(lines) + "\n")
