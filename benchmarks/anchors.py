@@ -51,10 +51,7 @@ import functools
 import json
 import math
 import os
-import re
-import subprocess
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
@@ -66,6 +63,7 @@ sys.path.insert(0, str(ROOT / "kernels"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import headline  # noqa: E402
+import tuning  # noqa: E402
 
 JAX_VERSION = None   # filled lazily (jax is imported only when needed)
 
@@ -207,20 +205,13 @@ def _child(key: str, chip: str, trunc, profile: bool = True) -> dict:
   """Compiles anchor `key` truncated to `trunc` for `chip` with the static profile on, in a
   subprocess (the estimator may abort the process). Returns {cycles, kernels, seconds,
   peak_rss_mb}."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-         "ANCHOR_STATIC_PROFILE": "1" if profile else "0"}
-  env["LIBTPU_INIT_ARGS"] = re.sub(r"--xla_jf_dump_static_llo_profile_to=\S+", "",
-                                   env.get("LIBTPU_INIT_ARGS", ""))
   start = time.time()
-  result = subprocess.run([sys.executable, __file__, "--child", key, chip, json.dumps(trunc)],
-                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env)
-  if result.returncode:
-    fatal = [l for l in result.stderr.splitlines() if re.match(r"F\d{4} ", l)] or \
-        [l for l in result.stderr.strip().splitlines() if "Error" in l][-1:] or \
-        result.stderr.strip().splitlines()[-1:]
-    raise RuntimeError(f"child exit {result.returncode} ({key} {chip} {trunc}): "
-                       f"{fatal[0][:400] if fatal else ''}")
-  out = json.loads(result.stdout.strip().splitlines()[-1])
+  rows, error = tuning.run_child(
+      __file__, ["--child", key, chip, json.dumps(trunc)], timeout=CHILD_TIMEOUT_S,
+      env=tuning.child_env(ANCHOR_STATIC_PROFILE="1" if profile else "0"))
+  if error:
+    raise RuntimeError(f"child {error} ({key} {chip} {trunc})")
+  out = rows[-1]
   out["wall_s"] = round(time.time() - start, 1)
   return out
 
@@ -237,8 +228,8 @@ def _child_main(key: str, chip: str, trunc_json: str) -> None:
     cycles, count = _kernel_cycles(text)
   else:
     cycles, count = None, text.count('custom_call_target="tpu_custom_call"')
-  print(json.dumps(dict(cycles=cycles, kernels=count, seconds=round(time.time() - start, 1),
-                        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)))
+  tuning.print_row(dict(cycles=cycles, kernels=count, seconds=round(time.time() - start, 1),
+                        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024))
 
 
 def _row_base(spec) -> dict:
@@ -826,9 +817,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.child:
     if os.environ.get("ANCHOR_STATIC_PROFILE", "1") == "1":
-      profile_dir = tempfile.mkdtemp(prefix="anchor_llo_profile_")
-      os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
-                                        f" --xla_jf_dump_static_llo_profile_to={profile_dir}")
+      tuning.enable_static_profile()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     _child_main(*args.child)
     return 0

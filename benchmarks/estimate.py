@@ -49,9 +49,7 @@ import functools
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -60,12 +58,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "kernels"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import tuning  # noqa: E402  (no jax)
+
 # The static profile must be requested before libtpu loads, i.e. before jax is imported.
 # (Not in the children that rate XLA by cost_analysis: the flag crashes ragged_dot.)
 if os.environ.get("ESTIMATE_STATIC_PROFILE", "1") == "1":
-  _PROFILE_DIR = tempfile.mkdtemp(prefix="static_llo_profile_")
-  os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
-                                    f" --xla_jf_dump_static_llo_profile_to={_PROFILE_DIR}")
+  tuning.enable_static_profile()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
@@ -249,21 +247,10 @@ def finish_row(impl: Implementation, chip_name: str, partial: dict) -> dict:
 
 
 def _rate_in_child(impl: Implementation, chip: str) -> dict:
-  env = {**os.environ, "ESTIMATE_STATIC_PROFILE": "1" if impl.static_profile else "0"}
-  env["LIBTPU_INIT_ARGS"] = re.sub(r"--xla_jf_dump_static_llo_profile_to=\S+", "",
-                                   env.get("LIBTPU_INIT_ARGS", ""))
-  try:
-    result = subprocess.run([sys.executable, __file__, "--child", impl.case,
-                             impl.implementation, chip],
-                            capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env)
-  except subprocess.TimeoutExpired:
-    return dict(compiled=False, error=f"rating took over {CHILD_TIMEOUT_S} s")
-  if result.returncode:
-    fatal = [l for l in result.stderr.splitlines() if re.match(r"F\d{4} ", l)] or \
-        result.stderr.strip().splitlines()[-1:]
-    return dict(compiled=False,
-                error=f"exit {result.returncode}: {fatal[0][:300] if fatal else ''}")
-  return json.loads(result.stdout.strip().splitlines()[-1])
+  env = tuning.child_env(ESTIMATE_STATIC_PROFILE="1" if impl.static_profile else "0")
+  rows, error = tuning.run_child(__file__, ["--child", impl.case, impl.implementation, chip],
+                                 timeout=CHILD_TIMEOUT_S, env=env)
+  return dict(compiled=False, error=error) if error else rows[-1]
 
 
 CHILD_TIMEOUT_S = 900
@@ -276,7 +263,7 @@ def _child_main(case: str, implementation: str, chip: str) -> None:
     partial = impl.rate(chip)
   except Exception as e:  # noqa: BLE001  (a failed rating is a row)
     partial = dict(compiled=False, error=f"{type(e).__name__}: {str(e).strip()[:300]}")
-  print(json.dumps(partial))
+  tuning.print_row(partial)
 
 
 def rate(impl: Implementation, chip: str) -> dict:

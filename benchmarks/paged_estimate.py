@@ -29,18 +29,15 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "kernels"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import tuning  # noqa: E402  (no jax)
 
-# (ESTIMATE_STATIC_PROFILE=0: a caller rating plain XLA by cost_analysis, where the flag hurts.)
-if (os.environ.get("ESTIMATE_STATIC_PROFILE", "1") == "1"
-    and "--xla_jf_dump_static_llo_profile_to" not in os.environ.get("LIBTPU_INIT_ARGS", "")):
-  os.environ["LIBTPU_INIT_ARGS"] = (
-      os.environ.get("LIBTPU_INIT_ARGS", "") + " --xla_jf_dump_static_llo_profile_to="
-      + tempfile.mkdtemp(prefix="static_llo_profile_"))
+if __name__ == "__main__":   # run as a script: the profile flag must be set before jax loads
+  tuning.enable_static_profile()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -48,7 +45,6 @@ import jax.numpy as jnp  # noqa: E402
 
 from tpu_kernels import aot, chips, paged_attention as PA  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
 from headline import PagedDecode  # noqa: E402
 
 S = jax.ShapeDtypeStruct

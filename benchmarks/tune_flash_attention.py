@@ -30,25 +30,22 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "kernels"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import tuning  # noqa: E402  (no jax)
+
 if "--rate" in sys.argv:   # the rating child needs the profile flag before jax loads
-  os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") +
-                                    " --xla_jf_dump_static_llo_profile_to=" +
-                                    tempfile.mkdtemp(prefix="static_llo_profile_"))
+  tuning.enable_static_profile()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax.numpy as jnp  # noqa: E402
 
 from tpu_kernels import chips, flash_attention as F, vmem  # noqa: E402
-
-import tuning  # noqa: E402
 
 CHIPS = ("v5e", "v6e")
 DTYPES = ("bfloat16",)

@@ -24,15 +24,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import paged_estimate  # noqa: E402  (sets the static-profile flag before jax loads)
+import tuning  # noqa: E402  (no jax)
+
+if "--key" in sys.argv:   # the rating child needs the profile flag before jax loads
+  tuning.enable_static_profile()
+
+import paged_estimate  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from tpu_kernels import chips, paged_attention as PA, vmem  # noqa: E402
@@ -42,10 +45,10 @@ CONTEXT = 8192
 GROUP = 4
 
 
-def grid() -> list[PA.TuningKey]:
+def grid(chips_: tuple[str, ...] = CHIPS) -> list[PA.TuningKey]:
   """The decode buckets tuned so far: Llama-3-8B-like heads (32 / 8, D 128) at the page
   sizes serving engines use, bf16 and int8 caches. Other buckets use the heuristic."""
-  return [PA.TuningKey(chip, kv_dtype, page_size, 128, 8) for chip in CHIPS
+  return [PA.TuningKey(chip, kv_dtype, page_size, 128, 8) for chip in chips_
           for kv_dtype in ("bfloat16", "int8") for page_size in (16, 64, 256)]
 
 
@@ -63,17 +66,6 @@ def candidates(key: PA.TuningKey) -> list[int]:
     if t.vmem_plan_bytes <= budget:
       out.append(block_kv)
   return out
-
-
-def module_text(table: dict[PA.TuningKey, int]) -> str:
-  head = (ROOT / "kernels/tpu_kernels/paged_attention_tuned.py").read_text().split(
-      "BLOCK_KV:")[0]
-  lines = [head + "BLOCK_KV: dict[tuple[str, str, int, int, int], int] = {"]
-  for key in sorted(table):
-    lines.append(f"    ({key.chip!r}, {key.kv_dtype!r}, {key.page_size}, {key.head_dim}, "
-                 f"{key.num_kv_heads}): {table[key]},")
-  lines.append("}")
-  return "\n".join(lines) + "\n"
 
 
 def rate(key: PA.TuningKey, block_kv: int | None = None) -> list[dict]:
@@ -103,39 +95,33 @@ def main(argv=None) -> int:
   p.add_argument("--log", default=str(ROOT / "benchmarks/results/paged_tuning.jsonl"))
   p.add_argument("--key", help=argparse.SUPPRESS)   # internal: rate one key, print JSON lines
   p.add_argument("--block-kv", type=int, help=argparse.SUPPRESS)   # ... at this candidate
+  p.add_argument("--chips", nargs="+", default=list(CHIPS),
+                 help="re-rate these chips; the log's rows for the others are kept")
   p.add_argument("--from-log", action="store_true",
                  help="rebuild the table from the ratings already in --log (no estimator)")
   a = p.parse_args(argv)
   if a.key:
     for row in rate(PA.TuningKey(*json.loads(a.key)), a.block_kv):
-      print("ROW " + json.dumps(row), flush=True)
+      tuning.print_row(row)
     return 0
   if a.from_log:
-    rows = [json.loads(line) for line in Path(a.log).read_text().splitlines()]
+    rows = tuning.read_log(a.log)
   else:
-    rows = []
-    with open(a.log, "w") as log:
-      for key in grid():
-        for block_kv in candidates(key):   # one child per candidate: the estimator may abort
-          result = subprocess.run(
-              [sys.executable, __file__, "--key", json.dumps(dataclasses.astuple(key)),
-               "--block-kv", str(block_kv)], capture_output=True, text=True)
-          found = [json.loads(line[4:]) for line in result.stdout.splitlines()
-                   if line.startswith("ROW ")]
-          if result.returncode or not found:
-            fatal = [l for l in result.stderr.splitlines() if re.match(r"F\d{4} ", l)][:1]
-            row = dict(block_kv=block_kv, estimated_cycles=None,
-                       error=f"exit {result.returncode}: {(fatal or [''])[0][:300]}")
-          else:
-            row = found[0]
-          row["key"] = list(dataclasses.astuple(key))
-          rows.append(row)
-          log.write(json.dumps(row) + "\n")
-          print(f"{key}: block_kv {block_kv}: {row['estimated_cycles']} cycles "
-                f"{row.get('error') or ''}", flush=True)
-  table = table_from_ratings(rows)
-  Path(a.out).write_text(module_text(table))
-  print(f"wrote {a.out}")
+    rows = tuning.kept_rows(a.log, lambda r: r["key"][0] in a.chips)
+    for key in grid(tuple(a.chips)):
+      for block_kv in candidates(key):   # one child per candidate: the estimator may abort
+        found, error = tuning.run_child(__file__, ["--key", json.dumps(dataclasses.astuple(key)),
+                                                   "--block-kv", str(block_kv)])
+        row = found[0] if found else dict(block_kv=block_kv, estimated_cycles=None, error=error)
+        row["key"] = list(dataclasses.astuple(key))
+        rows.append(row)
+        print(f"{key}: block_kv {block_kv}: {row['estimated_cycles']} cycles "
+              f"{row.get('error') or ''}", flush=True)
+    tuning.write_log(a.log, rows)
+  table = {dataclasses.astuple(k): v for k, v in table_from_ratings(rows).items()}
+  tuning.write_table_module(a.out, "BLOCK_KV", "dict[tuple[str, str, int, int, int], int]",
+                            table)
+  print(f"wrote {a.out} ({len(table)} entries)")
   return 0
 
 

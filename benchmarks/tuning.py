@@ -17,11 +17,25 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Iterable
 
 ROW_PREFIX = "ROW "
 PROFILE_FLAG = re.compile(r"--xla_jf_dump_static_llo_profile_to=\S+")
+
+
+def enable_static_profile() -> None:
+  """Asks libtpu to put its static cycle estimate into every Mosaic kernel it compiles
+  (`--xla_jf_dump_static_llo_profile_to`, a fresh directory), unless already asked. Call
+  before jax is imported: libtpu reads LIBTPU_INIT_ARGS once, when it loads. Not for
+  processes that rate plain XLA by cost_analysis: with the flag, ragged_dot crashes."""
+  args = os.environ.get("LIBTPU_INIT_ARGS", "")
+  if not PROFILE_FLAG.search(args):
+    directory = tempfile.mkdtemp(prefix="static_llo_profile_")
+    os.environ["LIBTPU_INIT_ARGS"] = f"{args} --xla_jf_dump_static_llo_profile_to={directory}"
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def print_row(row: dict) -> None:

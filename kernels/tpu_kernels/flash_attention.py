@@ -174,6 +174,20 @@ def tuned_blocks(key: TuningKey | None) -> tuple[int, int, int] | None:
       (key.chip, key.dtype, key.head_dim, key.group, key.seq))
 
 
+def _tuned_tiling(entry: tuple[int, int, int] | None, q_cands, k_cands, plan, chip_: chips.Chip,
+                  vmem_limit_bytes: int | None) -> Tiling | None:
+  """The tuning table's entry as a Tiling, if its blocks are valid at this length and its
+  plan fits the caller's limit, or else the entry's own limit; None otherwise."""
+  if entry is None or entry[0] not in q_cands or entry[1] not in k_cands:
+    return None
+  bq, bk, tuned_limit = entry
+  limit = vmem.resolve_vmem_limit(
+      chip_, tuned_limit if vmem_limit_bytes is None else vmem_limit_bytes)
+  if plan(bq, bk) > int(limit * vmem.BUDGET_FRACTION):
+    return None
+  return Tiling(bq, bk, limit, plan(bq, bk))
+
+
 def attention_tiling(q_len: int, kv_len: int, head_dim: int, *, group: int, dtype,
                      chip: str = chips.DEFAULT_CHIP, block_q: int | None = None,
                      block_k: int | None = None, vmem_limit_bytes: int | None = None,
@@ -196,17 +210,13 @@ def attention_tiling(q_len: int, kv_len: int, head_dim: int, *, group: int, dtyp
   budget = int(limit * vmem.BUDGET_FRACTION)
   plan = functools.partial(_plan_bytes, head_dim=head_dim, group=group, itemsize=itemsize)
   fits = [(bq, bk) for bk in k_cands for bq in q_cands if plan(bq, bk) <= budget]
-  tuned = None
   if block_q is None and block_k is None:
-    tuned = tuned_blocks(tuning_key(chip, dtype, q_len, kv_len, head_dim, group,
-                                    causal=causal, sliding_window=sliding_window))
-  if tuned is not None and tuned[0] in q_cands and tuned[1] in k_cands:
-    bq, bk, tuned_limit = tuned
-    if vmem_limit_bytes is None:
-      limit = vmem.resolve_vmem_limit(chip_, tuned_limit)
-    if plan(bq, bk) <= int(limit * vmem.BUDGET_FRACTION):
-      return Tiling(bq, bk, limit, plan(bq, bk))
-    limit = vmem.resolve_vmem_limit(chip_, vmem_limit_bytes)
+    tuned = _tuned_tiling(
+        tuned_blocks(tuning_key(chip, dtype, q_len, kv_len, head_dim, group,
+                                causal=causal, sliding_window=sliding_window)),
+        q_cands, k_cands, plan, chip_, vmem_limit_bytes)
+    if tuned is not None:
+      return tuned
   if fits:
     bq, bk = max(fits, key=lambda c: (min(c), c[1], c[0]))
     return Tiling(bq, bk, limit, plan(bq, bk))
