@@ -9,6 +9,9 @@ export HF_HUB_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 export PYTHONDONTWRITEBYTECODE=1
+# libtpu otherwise writes its own log files into /tmp/tpu_logs on every load (gigabytes over a
+# test run, never cleaned up); its messages still reach stderr.
+export TPU_LOG_DIR=disabled
 
 find_python() {  # find_python 3.11 -> path of a python3.11 that runs
   local version=$1 candidate
