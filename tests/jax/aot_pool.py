@@ -22,3 +22,40 @@ def compile_pool():
       yield executor
     finally:
       executor.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def module_compiles(request, group_of, programs_of, compile_case, chip_of):
+  """Every compile of the module's selected tests (after -k / -m), queued at once in test
+  order, so both workers stay busy across tests instead of idling at the end of each
+  test's few programs. `group_of(item)` names the programs a test item compiles (or None),
+  `programs_of(group)` lists them, `chip_of(group)` gives their chip.
+  Yields {group: [(program, future of compile_case(program, chip))]}."""
+  groups = [g for item in request.session.items
+            if getattr(item, "module", None) is request.module and (g := group_of(item))]
+  with compile_pool() as executor:
+    futures = {g: [(p, executor.submit(compile_case, p, chip_of(g))) for p in programs_of(g)]
+               for g in dict.fromkeys(groups)}
+    try:
+      yield futures
+    finally:
+      for pending in futures.values():   # a failed test leaves its compiles unread
+        for _, future in pending:
+          future.cancel()
+
+
+def check_compiled(pending, chip: str, check, record_property) -> None:
+  """Waits for each (program, future of its CompileReport), records the program's VMEM
+  plan as a test property, and runs `check(program, report, chip)` on all of them; then
+  fails once, listing every failing case (a matrix is surveyed whole, not to its first
+  failure)."""
+  assert pending, "no programs to compile"
+  failures = []
+  for program, future in pending:
+    report = future.result()
+    record_property(f"{program.label} {chip}", program.plan(chip))
+    try:
+      check(program, report, chip)
+    except AssertionError as e:
+      failures.append(str(e))
+  assert not failures, "\n".join(failures)

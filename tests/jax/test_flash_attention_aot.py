@@ -31,7 +31,7 @@ import re
 import jax
 import pytest
 
-from aot_pool import compile_pool
+from aot_pool import check_compiled, module_compiles
 
 from flash_attention_cases import (AOT_CHIPS, FEATURE_CONFIGS, HEAD_DIMS, SEQ_LENS, Program,
                                    compile_case, default_config, default_programs,
@@ -80,32 +80,10 @@ def _programs(kind, head_dim, chip):
 
 @pytest.fixture(scope="module")
 def compiles(request):
-  """Every compile of the selected tests (after -k / -m), submitted at once to spawned
-  workers, in test order: both workers stay busy across tests instead of idling at the
-  end of each test's 3 or 4 programs (tests/jax/aot_pool.py). -> {group: [(program, future of its CompileReport)]}"""
-  groups = [g for item in request.session.items
-            if getattr(item, "module", None) is request.module and (g := _group(item))]
-  with compile_pool() as executor:
-    futures = {g: [(p, executor.submit(compile_case, p, g[2])) for p in _programs(*g)]
-               for g in dict.fromkeys(groups)}
+  """Every compile of the selected tests, queued at once -> {group: [(program, future)]}."""
+  with module_compiles(request, _group, lambda g: _programs(*g), compile_case,
+                       chip_of=lambda g: g[2]) as futures:
     yield futures
-    for pending in futures.values():   # a failed test leaves its compiles unread
-      for _, future in pending:
-        future.cancel()
-
-
-def _compile_and_check(compiles, group, record_property):
-  chip = group[2]
-  failures = []
-  assert compiles[group], group
-  for program, future in compiles[group]:
-    report = future.result()
-    record_property(f"{program.label} {chip}", program.plan(chip))
-    try:
-      _check(program, report, chip)
-    except AssertionError as e:   # survey the whole matrix, then fail with every case
-      failures.append(str(e))
-  assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("chip", AOT_CHIPS)
@@ -114,7 +92,7 @@ def test_default_shapes_compile_bf16(compiles, head_dim, chip, record_property):
   """32 / 8 heads, causal, S in {2048, 8192, 32768}."""
   group = ("default", head_dim, chip)
   assert [p.config.seq for p, _ in compiles[group]] == SEQ_LENS
-  _compile_and_check(compiles, group, record_property)
+  check_compiled(compiles[group], group[2], _check, record_property)
 
 
 @pytest.mark.parametrize("chip", AOT_CHIPS)
@@ -122,7 +100,7 @@ def test_feature_programs_compile(compiles, chip, record_property):
   """All features at once, gpt-oss-like, MQA, f32."""
   group = ("features", None, chip)
   assert [p.config.name for p, _ in compiles[group]] == list(FEATURE_CONFIGS)
-  _compile_and_check(compiles, group, record_property)
+  check_compiled(compiles[group], group[2], _check, record_property)
 
 
 @pytest.mark.parametrize("chip", sorted({key[0] for key in flash_attention_tuned.BLOCKS}))
@@ -136,7 +114,7 @@ def test_tuning_table_entries_compile(compiles, chip, record_property):
   tilings = {p: p.tiling(chip) for p in programs}
   assert {(p.config.head_dim, p.config.group, (t.block_q, t.block_k, t.vmem_limit_bytes))
           for p, t in tilings.items()} == table
-  _compile_and_check(compiles, group, record_property)
+  check_compiled(compiles[group], group[2], _check, record_property)
 
 
 @pytest.mark.parametrize("config", [default_config(8192, 128), FEATURE_CONFIGS["all features"]],

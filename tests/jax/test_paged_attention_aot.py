@@ -20,7 +20,7 @@ import re
 
 import pytest
 
-from aot_pool import compile_pool
+from aot_pool import check_compiled, module_compiles
 from paged_attention_cases import (AOT_CHIPS, BATCHES, CONTEXTS, FEATURE_CONFIGS, HEAD_DIMS,
                                    HEADS, Config, Program, compile_case, default_programs,
                                    feature_programs)
@@ -71,25 +71,9 @@ def _programs(kind, heads, head_dim):
 @pytest.fixture(scope="module")
 def compiles(request):
   """Every compile of the selected tests, queued at once -> {group: [(program, future)]}."""
-  groups = [g for item in request.session.items
-            if getattr(item, "module", None) is request.module and (g := _group(item))]
-  with compile_pool() as executor:
-    yield {g: [(p, executor.submit(compile_case, p, g[3])) for p in _programs(*g[:3])]
-           for g in dict.fromkeys(groups)}
-
-
-def _compile_and_check(compiles, group, record_property):
-  chip = group[3]
-  failures = []
-  assert compiles[group], group
-  for program, future in compiles[group]:
-    report = future.result()
-    record_property(f"{program.label} {chip}", program.plan(chip))
-    try:
-      _check(program, report, chip)
-    except AssertionError as e:   # survey the whole matrix, then fail with every case
-      failures.append(str(e))
-  assert not failures, "\n".join(failures)
+  with module_compiles(request, _group, lambda g: _programs(*g[:3]), compile_case,
+                       chip_of=lambda g: g[3]) as futures:
+    yield futures
 
 
 @pytest.mark.parametrize("chip", AOT_CHIPS)
@@ -100,7 +84,7 @@ def test_decode_defaults_compile(compiles, heads, head_dim, chip, record_propert
   group = ("default", heads, head_dim, chip)
   assert [(p.config.batch, p.config.context) for p, _ in compiles[group]] == [
       (b, c) for b in BATCHES for c in CONTEXTS]
-  _compile_and_check(compiles, group, record_property)
+  check_compiled(compiles[group], group[3], _check, record_property)
 
 
 @pytest.mark.parametrize("chip", AOT_CHIPS)
@@ -108,7 +92,7 @@ def test_feature_programs_compile(compiles, chip, record_property):
   """Mixed batch with window / soft-cap / sinks, prefill, int8, fp8, page 256, f32."""
   group = ("features", None, None, chip)
   assert [p.config.name for p, _ in compiles[group]] == list(FEATURE_CONFIGS)
-  _compile_and_check(compiles, group, record_property)
+  check_compiled(compiles[group], group[3], _check, record_property)
 
 
 @pytest.mark.parametrize("entry", sorted(paged_attention_tuned.BLOCK_KV),
@@ -118,7 +102,7 @@ def test_tuning_table_entries_compile(compiles, entry, record_property):
   group = ("tuned", entry, None, entry[0])
   program = compiles[group][0][0]
   assert program.tiling(entry[0]).block_kv == paged_attention_tuned.BLOCK_KV[entry]
-  _compile_and_check(compiles, group, record_property)
+  check_compiled(compiles[group], group[3], _check, record_property)
 
 
 @pytest.mark.parametrize("chip", AOT_CHIPS)

@@ -32,7 +32,7 @@ import re
 import jax
 import pytest
 
-from aot_pool import compile_pool
+from aot_pool import check_compiled, compile_pool
 
 from ragged_dot_cases import (AOT_CHIPS, MODELS, QUANT_M, ROWS, compile_case, model_programs,
                               quantized_programs)
@@ -68,16 +68,8 @@ def pool():
 
 
 def _compile_and_check(pool, programs, chip, record_property):
-  futures = [pool.submit(compile_case, p, chip) for p in programs]
-  failures = []
-  for program, future in zip(programs, futures):
-    report = future.result()
-    record_property(f"{program.label} {chip}", program.plan(chip))
-    try:
-      _check(program, report, chip)
-    except AssertionError as e:   # survey the whole matrix, then fail with every case
-      failures.append(str(e))
-  assert not failures, "\n".join(failures)
+  check_compiled([(p, pool.submit(compile_case, p, chip)) for p in programs], chip, _check,
+                 record_property)
 
 
 @pytest.mark.parametrize("chip", AOT_CHIPS)

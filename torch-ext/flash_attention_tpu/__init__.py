@@ -32,28 +32,13 @@ import torch
 from . import _shim
 from ._custom_ops import flash_attention_op
 from ._shim import validation
+from ._shim.validation import check_int32, check_ndim, dtype_name
 
 __all__ = ["DEFAULT_ATTENTION_NAME", "attention_forward", "flash_attention",
            "make_attention_mask", "register_attention"]
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 DEFAULT_ATTENTION_NAME = "tpu_attention"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-  return str(dtype).removeprefix("torch.")
-
-
-def _check_ndim(op: str, name: str, t: torch.Tensor, ndim: int, what: str) -> None:
-  if t.dim() != ndim:
-    raise ValueError(f"{op}: {name} must be {ndim}-D ({what}), got shape {tuple(t.shape)}")
-
-
-def _check_int32(op: str, name: str, t: torch.Tensor) -> None:
-  if t.dtype != torch.int32:
-    raise TypeError(f"{op}: {name} must be int32, got {_dtype_name(t.dtype)}; convert it "
-                    f"explicitly ({name}.to(torch.int32)): 64-bit integers are never narrowed "
-                    f"silently")
 
 
 def _segment_ids(op: str, segment_ids, batch: int, q_len: int, kv_len: int):
@@ -76,7 +61,7 @@ def _segment_ids(op: str, segment_ids, batch: int, q_len: int, kv_len: int):
     names = ("segment_ids", "segment_ids")
   for name, t, length in ((names[0], q_seg, q_len), (names[1], kv_seg, kv_len)):
     validation.check_tensor(op, name, t)
-    _check_int32(op, name, t)
+    check_int32(op, name, t)
     validation.check_shape(op, name, t, (batch, length), "[batch, sequence]")
   return q_seg.contiguous(), kv_seg.contiguous()
 
@@ -84,7 +69,7 @@ def _segment_ids(op: str, segment_ids, batch: int, q_len: int, kv_len: int):
 def _q_offset(op: str, q_offset, device: torch.device) -> torch.Tensor:
   """q_offset as the (1,) int32 tensor the op takes (the kernel reads it at run time)."""
   if isinstance(q_offset, torch.Tensor):
-    _check_int32(op, "q_offset", q_offset)
+    check_int32(op, "q_offset", q_offset)
     if q_offset.numel() != 1 or q_offset.dim() > 1:
       raise ValueError(f"{op}: a tensor q_offset must hold one int32 (shape () or (1,)), got "
                        f"shape {tuple(q_offset.shape)}")
@@ -133,8 +118,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
   validation.check_float_dtype(op, "q", q, COMPUTE_DTYPES)
   validation.check_same_dtype(op, "k", k, "q", q)
   validation.check_same_dtype(op, "v", v, "q", q)
-  _check_ndim(op, "q", q, 4, "[batch, q_heads, q_len, head_dim]")
-  _check_ndim(op, "k", k, 4, "[batch, kv_heads, kv_len, head_dim]")
+  check_ndim(op, "q", q, 4, "[batch, q_heads, q_len, head_dim]")
+  check_ndim(op, "k", k, 4, "[batch, kv_heads, kv_len, head_dim]")
   validation.check_shape(op, "v", v, tuple(k.shape), "the shape of k")
   batch, num_q_heads, q_len, head_dim = q.shape
   num_kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -361,7 +346,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                              "packed-sequence ids, [batch, seq_len]")
       segment_ids = attention_mask
     else:
-      raise NotImplementedError(f"{op}: got a {_dtype_name(attention_mask.dtype)} 2-D "
+      raise NotImplementedError(f"{op}: got a {dtype_name(attention_mask.dtype)} 2-D "
                                 f"attention_mask; expected bool padding or int32 packed ids "
                                 f"from register_attention()'s mask function")
 
@@ -374,9 +359,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
   return out.transpose(1, 2).contiguous(), None
 
 
-_RESERVED = ("flash", "sdpa", "flex_attention", "eager", "paged", "|", "/", ":")
-
-
 def register_attention(name: str = DEFAULT_ATTENTION_NAME) -> str:
   """Registers `attention_forward` and its mask function with Transformers under `name`,
   so that `attn_implementation=name` runs attention on this kernel. Returns `name`.
@@ -385,13 +367,7 @@ def register_attention(name: str = DEFAULT_ATTENTION_NAME) -> str:
   or ":": Transformers gives such names special treatment (a name with "flash" is taken
   for a FlashAttention install and imported as one, "/" for a Hub kernel repo).
   """
-  if not isinstance(name, str) or not name:
-    raise TypeError(f"register_attention: name must be a non-empty str, got {name!r}")
-  clashes = [word for word in _RESERVED if word in name]
-  if clashes:
-    raise ValueError(f"register_attention: name {name!r} contains {clashes[0]!r}, which "
-                     f"Transformers treats specially; choose another name (default "
-                     f"{DEFAULT_ATTENTION_NAME!r})")
+  validation.check_attention_name("register_attention", name, DEFAULT_ATTENTION_NAME)
   from transformers import AttentionInterface, AttentionMaskInterface
 
   AttentionInterface.register(name, attention_forward)

@@ -27,13 +27,13 @@ input is checked against the shapes first. jax must be installed.
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
 from . import _shim
 from ._custom_ops import QUANTIZED_DTYPES, ragged_paged_attention_op, write_kv_cache_op
 from ._shim import validation
+from ._shim.validation import check_int32, check_ndim, dtype_name
 from .cache import PagedBatch, PagedKVCache
 from .serving import (DEFAULT_ATTENTION_NAME, ServingStep, attention_forward,
                       make_attention_mask, register_attention)
@@ -45,32 +45,15 @@ __all__ = ["DEFAULT_ATTENTION_NAME", "PagedBatch", "PagedKVCache", "ServingStep"
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-  return str(dtype).removeprefix("torch.")
-
-
-def _check_ndim(op: str, name: str, t: torch.Tensor, ndim: int, what: str) -> None:
-  if t.dim() != ndim:
-    raise ValueError(f"{op}: {name} must be {ndim}-D ({what}), got shape {tuple(t.shape)}")
-
-
-def _check_int32(op: str, name: str, t: torch.Tensor) -> None:
-  validation.check_tensor(op, name, t)
-  if t.dtype != torch.int32:
-    raise TypeError(f"{op}: {name} must be int32, got {_dtype_name(t.dtype)}; convert it "
-                    f"explicitly ({name}.to(torch.int32)): 64-bit integers are never narrowed "
-                    f"silently")
-
-
 def _check_caches(op: str, k_cache, v_cache) -> tuple[int, int, int, int]:
   """(num_pages, Hkv, page_size, D) of a valid pair of caches."""
   validation.check_tensor(op, "k_cache", k_cache)
   validation.check_tensor(op, "v_cache", v_cache)
-  _check_ndim(op, "k_cache", k_cache, 4, "[num_pages, kv_heads, page_size, head_dim]")
+  check_ndim(op, "k_cache", k_cache, 4, "[num_pages, kv_heads, page_size, head_dim]")
   validation.check_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
   validation.check_shape(op, "v_cache", v_cache, tuple(k_cache.shape), "the shape of k_cache")
   if k_cache.dtype not in COMPUTE_DTYPES + QUANTIZED_DTYPES:
-    raise TypeError(f"{op}: k_cache has dtype {_dtype_name(k_cache.dtype)}; a cache is "
+    raise TypeError(f"{op}: k_cache has dtype {dtype_name(k_cache.dtype)}; a cache is "
                     f"float32 / bfloat16 (q's dtype) or int8 / float8_e4m3fn (with scales)")
   num_pages, num_kv_heads, page_size, head_dim = k_cache.shape
   if min(k_cache.shape) == 0:
@@ -88,12 +71,12 @@ def _scales(op: str, cache: torch.Tensor, k_scale, v_scale, num_kv_heads: int):
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
       if s is not None:
         raise ValueError(f"{op}: {name} is only for int8 / float8_e4m3fn caches; this cache "
-                         f"is {_dtype_name(cache.dtype)}")
+                         f"is {dtype_name(cache.dtype)}")
     return None, None
   out = []
   for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
     if s is None:
-      raise ValueError(f"{op}: the cache is {_dtype_name(cache.dtype)} (quantized) and needs "
+      raise ValueError(f"{op}: the cache is {dtype_name(cache.dtype)} (quantized) and needs "
                        f"{name}: a Python float, or a float32 tensor of shape () or "
                        f"({num_kv_heads},) (one per KV head)")
     if isinstance(s, torch.Tensor):
@@ -174,10 +157,10 @@ def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
   validation.check_float_dtype(op, "q", q, COMPUTE_DTYPES)
   num_pages, num_kv_heads, page_size, head_dim = _check_caches(op, k_cache, v_cache)
   if k_cache.dtype not in QUANTIZED_DTYPES and k_cache.dtype != q.dtype:
-    raise TypeError(f"{op}: k_cache has dtype {_dtype_name(k_cache.dtype)} and q "
-                    f"{_dtype_name(q.dtype)}: a float cache must have q's dtype (no silent "
+    raise TypeError(f"{op}: k_cache has dtype {dtype_name(k_cache.dtype)} and q "
+                    f"{dtype_name(q.dtype)}: a float cache must have q's dtype (no silent "
                     f"casts); quantized caches are int8 / float8_e4m3fn with scales")
-  _check_ndim(op, "q", q, 3, "[tokens, q_heads, head_dim]")
+  check_ndim(op, "q", q, 3, "[tokens, q_heads, head_dim]")
   num_tokens, num_q_heads, q_head_dim = q.shape
   if q_head_dim != head_dim:
     raise ValueError(f"{op}: q's head_dim {q_head_dim} differs from the cache's {head_dim}")
@@ -188,12 +171,12 @@ def ragged_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                      f"{num_kv_heads} KV heads (grouped-query attention)")
   for name, t in (("kv_lens", kv_lens), ("page_indices", page_indices),
                   ("cu_q_lens", cu_q_lens)):
-    _check_int32(op, name, t)
-  _check_ndim(op, "kv_lens", kv_lens, 1, "[num_seqs]")
+    check_int32(op, name, t)
+  check_ndim(op, "kv_lens", kv_lens, 1, "[num_seqs]")
   num_seqs = kv_lens.shape[0]
   if num_seqs == 0:
     raise ValueError(f"{op}: kv_lens must hold at least one sequence")
-  _check_ndim(op, "page_indices", page_indices, 2, "[num_seqs, pages_per_seq]")
+  check_ndim(op, "page_indices", page_indices, 2, "[num_seqs, pages_per_seq]")
   if page_indices.shape[0] != num_seqs or page_indices.shape[1] == 0:
     raise ValueError(f"{op}: page_indices must have shape ({num_seqs}, pages_per_seq >= 1) "
                      f"(one row per sequence of kv_lens), got {tuple(page_indices.shape)}")
@@ -270,15 +253,15 @@ def write_kv_cache_(k_cache: torch.Tensor, v_cache: torch.Tensor, new_k: torch.T
     if k_cache.dtype in QUANTIZED_DTYPES:
       validation.check_float_dtype(op, name, t, COMPUTE_DTYPES)
     elif t.dtype != k_cache.dtype:
-      raise TypeError(f"{op}: {name} has dtype {_dtype_name(t.dtype)}, the cache "
-                      f"{_dtype_name(k_cache.dtype)}: new K/V must have the cache's dtype "
+      raise TypeError(f"{op}: {name} has dtype {dtype_name(t.dtype)}, the cache "
+                      f"{dtype_name(k_cache.dtype)}: new K/V must have the cache's dtype "
                       f"(no silent casts)")
-  _check_ndim(op, "new_k", new_k, 3, "[tokens, kv_heads, head_dim]")
+  check_ndim(op, "new_k", new_k, 3, "[tokens, kv_heads, head_dim]")
   num_tokens = new_k.shape[0]
   validation.check_shape(op, "new_k", new_k, (num_tokens, num_kv_heads, head_dim),
                          "[tokens, the cache's kv_heads, head_dim]")
   validation.check_shape(op, "new_v", new_v, tuple(new_k.shape), "the shape of new_k")
-  _check_int32(op, "slot_mapping", slot_mapping)
+  check_int32(op, "slot_mapping", slot_mapping)
   validation.check_shape(op, "slot_mapping", slot_mapping, (num_tokens,), "one slot per token")
   k_scale, v_scale = _scales(op, k_cache, k_scale, v_scale, num_kv_heads)
   device_type = _shim.device_type_of(op, {

@@ -21,6 +21,7 @@ import dataclasses
 
 import torch
 
+from ._shim import validation
 from .cache import PagedBatch, PagedKVCache
 
 DEFAULT_ATTENTION_NAME = "tpu_serving"
@@ -89,9 +90,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
   return out.unsqueeze(0), None
 
 
-_RESERVED = ("flash", "sdpa", "flex_attention", "eager", "paged", "|", "/", ":")
-
-
 def register_attention(name: str = DEFAULT_ATTENTION_NAME) -> str:
   """Registers `attention_forward` (and a mask function that builds no mask) with
   Transformers under `name`; then `attn_implementation=name` serves through the paged
@@ -101,13 +99,7 @@ def register_attention(name: str = DEFAULT_ATTENTION_NAME) -> str:
   or ":": Transformers treats such names specially ("paged|..." selects its own
   continuous-batching attention, "flash" a FlashAttention install, "/" a Hub repo).
   """
-  if not isinstance(name, str) or not name:
-    raise TypeError(f"register_attention: name must be a non-empty str, got {name!r}")
-  clashes = [word for word in _RESERVED if word in name]
-  if clashes:
-    raise ValueError(f"register_attention: name {name!r} contains {clashes[0]!r}, which "
-                     f"Transformers treats specially; choose another name (default "
-                     f"{DEFAULT_ATTENTION_NAME!r})")
+  validation.check_attention_name("register_attention", name, DEFAULT_ATTENTION_NAME)
   from transformers import AttentionInterface, AttentionMaskInterface
 
   AttentionInterface.register(name, attention_forward)

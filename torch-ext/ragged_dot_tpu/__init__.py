@@ -21,6 +21,7 @@ import torch
 from . import _shim
 from ._custom_ops import QUANTIZED_DTYPES, experts_op, ragged_dot_op
 from ._shim import validation
+from ._shim.validation import check_int32, check_ndim, dtype_name
 
 __all__ = ["SUPPORTED_ACTIVATIONS", "experts_forward", "quantize_experts_", "ragged_dot"]
 
@@ -31,22 +32,13 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 _QUANT_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-  return str(dtype).removeprefix("torch.")
-
-
-def _check_ndim(op: str, name: str, t: torch.Tensor, ndim: int, what: str) -> None:
-  if t.dim() != ndim:
-    raise ValueError(f"{op}: {name} must be {ndim}-D ({what}), got shape {tuple(t.shape)}")
-
-
 def _check_weight(op: str, name: str, w: torch.Tensor, compute_dtype: torch.dtype,
                   scale: torch.Tensor | None, scale_name: str, n_out: int) -> None:
   """A float weight in the compute dtype (no scale), or a quantized one with a float32 scale."""
   validation.check_tensor(op, name, w)
   if w.dtype in QUANTIZED_DTYPES:
     if scale is None:
-      raise ValueError(f"{op}: {name} is {_dtype_name(w.dtype)} (quantized) and needs "
+      raise ValueError(f"{op}: {name} is {dtype_name(w.dtype)} (quantized) and needs "
                        f"{scale_name}, its per-output-channel float32 scale")
     validation.check_tensor(op, scale_name, scale)
     validation.check_float_dtype(op, scale_name, scale, (torch.float32,))
@@ -54,12 +46,12 @@ def _check_weight(op: str, name: str, w: torch.Tensor, compute_dtype: torch.dtyp
                            "one scale per group and output channel")
     return
   if w.dtype != compute_dtype:
-    raise TypeError(f"{op}: {name} has dtype {_dtype_name(w.dtype)}; it must have the input's "
-                    f"dtype ({_dtype_name(compute_dtype)}) or be quantized (int8, "
+    raise TypeError(f"{op}: {name} has dtype {dtype_name(w.dtype)}; it must have the input's "
+                    f"dtype ({dtype_name(compute_dtype)}) or be quantized (int8, "
                     f"float8_e4m3fn, with a scale)")
   if scale is not None:
     raise ValueError(f"{op}: {scale_name} is only for quantized (int8 / float8_e4m3fn) "
-                     f"weights; {name} is {_dtype_name(w.dtype)}")
+                     f"weights; {name} is {dtype_name(w.dtype)}")
 
 
 def _check_bias(op: str, name: str, bias, shape: tuple) -> None:
@@ -103,13 +95,10 @@ def ragged_dot(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, 
   validation.check_tensor(op, "rhs", rhs)
   validation.check_tensor(op, "group_sizes", group_sizes)
   validation.check_float_dtype(op, "lhs", lhs, COMPUTE_DTYPES)
-  _check_ndim(op, "lhs", lhs, 2, "[m, k]")
-  _check_ndim(op, "rhs", rhs, 3, "[groups, k, n] or [groups, n, k] with transpose_rhs")
-  _check_ndim(op, "group_sizes", group_sizes, 1, "[groups]")
-  if group_sizes.dtype != torch.int32:
-    raise TypeError(f"{op}: group_sizes must be int32, got {_dtype_name(group_sizes.dtype)}; "
-                    f"convert it explicitly (group_sizes.to(torch.int32)): 64-bit integers "
-                    f"are never narrowed silently")
+  check_ndim(op, "lhs", lhs, 2, "[m, k]")
+  check_ndim(op, "rhs", rhs, 3, "[groups, k, n] or [groups, n, k] with transpose_rhs")
+  check_ndim(op, "group_sizes", group_sizes, 1, "[groups]")
+  check_int32(op, "group_sizes", group_sizes)
   if not isinstance(transpose_rhs, bool):
     raise TypeError(f"{op}: transpose_rhs must be a bool, got {type(transpose_rhs).__name__}")
   groups_local, groups_total = rhs.shape[0], group_sizes.shape[0]
@@ -147,7 +136,7 @@ def ragged_dot(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, 
                        None if rhs_scale is None else rhs_scale.contiguous(),
                        None if bias is None else bias.contiguous(), group_offset, transpose_rhs,
                        activation or "identity",
-                       "" if out_dtype is None else _dtype_name(out_dtype))
+                       "" if out_dtype is None else dtype_name(out_dtype))
 
 
 # ------------------------------------------------------------------ Transformers experts
@@ -225,8 +214,8 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
   for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
                   ("top_k_weights", top_k_weights)):
     validation.check_tensor(op, name, t)
-  _check_ndim(op, "hidden_states", hidden_states, 2, "[tokens, hidden]")
-  _check_ndim(op, "top_k_index", top_k_index, 2, "[tokens, top_k]")
+  check_ndim(op, "hidden_states", hidden_states, 2, "[tokens, hidden]")
+  check_ndim(op, "top_k_index", top_k_index, 2, "[tokens, top_k]")
   validation.check_shape(op, "top_k_weights", top_k_weights, tuple(top_k_index.shape),
                          "the shape of top_k_index")
   if top_k_index.shape[0] != hidden_states.shape[0]:
@@ -234,12 +223,12 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
                      f"{hidden_states.shape[0]}")
   if top_k_index.dtype not in (torch.int32, torch.int64):
     raise TypeError(f"{op}: top_k_index must be int32 or int64, got "
-                    f"{_dtype_name(top_k_index.dtype)}")
+                    f"{dtype_name(top_k_index.dtype)}")
   validation.check_float_dtype(op, "top_k_weights", top_k_weights, COMPUTE_DTYPES)
   validation.check_float_dtype(op, "hidden_states", hidden_states, COMPUTE_DTYPES)
   for name, w in ((up_name, gate_up), ("down_proj", down)):
     validation.check_tensor(op, name, w)
-    _check_ndim(op, name, w, 3, "[experts, ., .]")
+    check_ndim(op, name, w, 3, "[experts, ., .]")
     if w.shape[0] != num_experts:
       raise ValueError(f"{op}: {name} has {w.shape[0]} experts, num_experts is {num_experts}")
   # Float weights set the compute dtype (as transformers casts the input to the weights');
@@ -247,7 +236,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
   compute_dtype = next((w.dtype for w in (gate_up, down) if w.dtype not in QUANTIZED_DTYPES),
                        hidden_states.dtype)
   if compute_dtype not in COMPUTE_DTYPES:
-    raise TypeError(f"{op}: expert weights have dtype {_dtype_name(compute_dtype)}; the kernel "
+    raise TypeError(f"{op}: expert weights have dtype {dtype_name(compute_dtype)}; the kernel "
                     f"computes in float32 or bfloat16 (never down-casts silently)")
   out_axis = 2 if is_transposed else 1
   _check_weight(op, up_name, gate_up, compute_dtype, gate_up_scale, f"{up_name}_scale",
