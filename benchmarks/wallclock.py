@@ -382,8 +382,7 @@ def load_kernel_experts(dist: Path):
   experts_forward as Transformers' KERNEL_EXPERTS experts implementation."""
   sys.path.insert(0, str(ROOT / "scripts"))
   import build
-  from kernels import get_kernel
-  from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+  import transformers_integration as ti
 
   manifest = build.load_manifest()
   repo_id = f"{manifest['collection']['hub-org']}/{KERNEL_REPO}"
@@ -392,13 +391,12 @@ def load_kernel_experts(dist: Path):
   previous = os.environ.get("LOCAL_KERNELS")
   os.environ["LOCAL_KERNELS"] = f"{repo_id}={repo}"
   try:
-    kernel = get_kernel(repo_id, version=1)
+    kernel = ti.register_ragged_experts(repo_id, KERNEL_EXPERTS)
   finally:
     if previous is None:
       os.environ.pop("LOCAL_KERNELS")
     else:
       os.environ["LOCAL_KERNELS"] = previous
-  ALL_EXPERTS_FUNCTIONS.register(KERNEL_EXPERTS, kernel.experts_forward)
   return repo_id, kernel
 
 

@@ -50,17 +50,16 @@ def tiny_qwen3_moe(dtype):
 def moe_generates_like_stock(repo_id: str, prompt) -> bool:
   """The user flow of ragged-dot-tpu: register experts_forward, generate, compare."""
   import torch
-  from kernels import get_kernel
-  from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-  ragged = get_kernel(repo_id, version=1)
-  ALL_EXPERTS_FUNCTIONS.register("tpu_ragged_dot", ragged.experts_forward)
-  print(f"   loaded {ragged.__name__}; registered experts implementation 'tpu_ragged_dot'")
+  import transformers_integration as ti
+
+  ragged = ti.register_ragged_experts(repo_id)
+  print(f"   loaded {ragged.__name__}; registered experts implementation '{ti.EXPERTS_NAME}'")
   model = tiny_qwen3_moe(torch.float32)
   start = time.perf_counter()
   model.set_experts_implementation("eager")
   expected = model.generate(prompt, max_new_tokens=8, do_sample=False)
-  model.set_experts_implementation("tpu_ragged_dot")
+  model.set_experts_implementation(ti.EXPERTS_NAME)
   got = model.generate(prompt, max_new_tokens=8, do_sample=False)
   same = torch.equal(got, expected)
   print(f"   stock experts:  {expected[0, prompt.shape[1]:].tolist()}")

@@ -101,6 +101,21 @@ def register_tpu_attention(repo_id: str, name: str | None = None, version: int =
   return kernel
 
 
+EXPERTS_NAME = "tpu_ragged_dot"
+
+
+def register_ragged_experts(repo_id: str, name: str = EXPERTS_NAME, version: int = 1):
+  """Loads ragged-dot-tpu with get_kernel and registers its `experts_forward` as
+  Transformers' experts implementation `name`. Returns the kernel module;
+  `model.set_experts_implementation(name)` then runs a MoE model's experts on it."""
+  from kernels import get_kernel
+  from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+  kernel = get_kernel(repo_id, version=version)
+  ALL_EXPERTS_FUNCTIONS.register(name, kernel.experts_forward)
+  return kernel
+
+
 def tiny_attention_config(family: str, num_hidden_layers: int = 2):
   """The config of a tiny causal LM of `family` (ATTENTION_FAMILIES), hidden 64, 4 query
   heads and 2 KV heads of 16."""
