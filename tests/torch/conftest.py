@@ -42,58 +42,53 @@ def local_kernels_env(dist_dir, manifest, repo_id):
   return os.environ["LOCAL_KERNELS"]
 
 
-@pytest.fixture(scope="session")
-def rms(local_kernels_env, repo_id):
-  """The rms-norm-tpu kernel, loaded as a user would: get_kernel(repo, version=1)."""
+def _get_kernel(repo_id, name: str):
+  """The kernel loaded as a user would: get_kernel(repo, version=1)."""
   from kernels import get_kernel
 
-  return get_kernel(repo_id("rms-norm-tpu"), version=1)
+  return get_kernel(repo_id(name), version=1)
+
+
+def _custom_ops(kernel):
+  """The custom ops module of a loaded kernel build (for opcheck)."""
+  return sys.modules[f"{kernel.__name__}._custom_ops"]
+
+
+@pytest.fixture(scope="session")
+def rms(local_kernels_env, repo_id):
+  return _get_kernel(repo_id, "rms-norm-tpu")
 
 
 @pytest.fixture(scope="session")
 def rms_ops(rms):
-  """The custom ops of the loaded rms-norm-tpu build (for opcheck)."""
-  return sys.modules[f"{rms.__name__}._custom_ops"]
+  return _custom_ops(rms)
 
 
 @pytest.fixture(scope="session")
 def ragged(local_kernels_env, repo_id):
-  """The ragged-dot-tpu kernel, loaded as a user would: get_kernel(repo, version=1)."""
-  from kernels import get_kernel
-
-  return get_kernel(repo_id("ragged-dot-tpu"), version=1)
+  return _get_kernel(repo_id, "ragged-dot-tpu")
 
 
 @pytest.fixture(scope="session")
 def ragged_ops(ragged):
-  """The custom ops of the loaded ragged-dot-tpu build (for opcheck)."""
-  return sys.modules[f"{ragged.__name__}._custom_ops"]
-
+  return _custom_ops(ragged)
 
 
 @pytest.fixture(scope="session")
 def flash(local_kernels_env, repo_id):
-  """The flash-attention-tpu kernel, loaded as a user would: get_kernel(repo, version=1)."""
-  from kernels import get_kernel
-
-  return get_kernel(repo_id("flash-attention-tpu"), version=1)
+  return _get_kernel(repo_id, "flash-attention-tpu")
 
 
 @pytest.fixture(scope="session")
 def flash_ops(flash):
-  """The custom ops of the loaded flash-attention-tpu build (for opcheck)."""
-  return sys.modules[f"{flash.__name__}._custom_ops"]
+  return _custom_ops(flash)
 
 
 @pytest.fixture(scope="session")
 def paged(local_kernels_env, repo_id):
-  """The paged-attention-tpu kernel, loaded as a user would: get_kernel(repo, version=1)."""
-  from kernels import get_kernel
-
-  return get_kernel(repo_id("paged-attention-tpu"), version=1)
+  return _get_kernel(repo_id, "paged-attention-tpu")
 
 
 @pytest.fixture(scope="session")
 def paged_ops(paged):
-  """The custom ops of the loaded paged-attention-tpu build (for opcheck)."""
-  return sys.modules[f"{paged.__name__}._custom_ops"]
+  return _custom_ops(paged)
