@@ -23,11 +23,11 @@ and the block's prologue / epilogue. Checked on v6e at block 1024 x 512: fitted 
 S=4096 and 8192, one head, it gives 2,364,572 cycles at S=32768; the direct estimate
 is 2,353,286 (0.5 % apart).
 
-HBM bytes, replaying the grid (B, Hkv, q blocks, kv steps): every q block is read once
-and its output (and f32 lse) written once per group; q block i visits kv blocks
-[0, hi_i), hi_i = ceil((i + 1) * block_q / block_k), and the steps past hi_i - 1 keep
-that index (no DMA); moving to the next q block restarts at kv block 0, a new fetch
-unless the previous q block ended on block 0 too (`kv_block_fetches`).
+HBM bytes, replaying the grid: every q block is read once and its output (and f32 lse)
+written once per group; q block i visits kv blocks [0, hi_i), hi_i = ceil((i + 1) *
+block_q / block_k), and a K / V block is fetched whenever the kv index changes between
+consecutive steps (`kv_schedule`, `kv_block_fetches`: the folded causal grid, or a row per
+q block whose skipped steps wait at block 0).
 """
 
 from __future__ import annotations
@@ -61,16 +61,24 @@ def visited_tiles(seq: int, block_q: int, block_k: int) -> list[int]:
   return [min(num_k, -(-min((i + 1) * block_q, seq) // block_k)) for i in range(num_q)]
 
 
+def kv_schedule(seq: int, block_q: int, block_k: int) -> list[int]:
+  """The kv block index of every forward grid step of one (batch row, KV head), causal
+  self-attention, as the kernel's index maps name it. Folded grid (the kernel's
+  `_fold_causal`): row i runs q block i's kv blocks, then q block nq - 1 - i's.
+  Otherwise a row per q block over every kv step: blocks 0 .. hi_i - 1, then, on the
+  skipped steps, block 0 (where the next q block starts; `_fetch`)."""
+  num_q, num_k = -(-seq // block_q), -(-seq // block_k)
+  hi = visited_tiles(seq, block_q, block_k)
+  if F._fold_causal(True, None, 0, seq, seq, block_q, block_k):
+    return [j for i in range(num_q // 2) for q in (i, num_q - 1 - i) for j in range(hi[q])]
+  return [step if step < hi[i] else 0 for i in range(num_q) for step in range(num_k)]
+
+
 def kv_block_fetches(seq: int, block_q: int, block_k: int) -> int:
-  """K (or V) block fetches of one (batch row, KV head): the kv block index the grid
-  visits, q block after q block, changes this many times (a q block that starts on the
-  block the previous one ended on fetches nothing new)."""
-  fetches, last = 0, None
-  for hi in visited_tiles(seq, block_q, block_k):
-    for j in range(hi):
-      fetches += j != last
-      last = j
-  return fetches
+  """K (or V) block fetches of one (batch row, KV head): how often the kv block index
+  changes between consecutive grid steps (an unchanged index issues no DMA)."""
+  schedule = kv_schedule(seq, block_q, block_k)
+  return sum(j != last for j, last in zip(schedule, [None] + schedule[:-1]))
 
 
 def hbm_bytes(case, t: F.Tiling) -> int:

@@ -4,6 +4,7 @@
 #   leg 2: .venv-jax012 (Python 3.12, jax 0.12.0.1, libtpu 0.0.50.1): the JAX-only tests (tests/jax)
 # The legs run at the same time (most of each is one busy core; this machine has two):
 # leg 2's output is kept in build-reports/test-leg2.log and printed when leg 1 is done.
+# Each leg reports its 15 slowest tests, and every test's time in build-reports/junit-leg*.xml.
 # Extra arguments go to both pytest runs. HYPOTHESIS_PROFILE=thorough for a deeper run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,8 @@ leg2_log=build-reports/test-leg2.log
 
 echo "== leg 2 started in the background: Python 3.12, jax 0.12.0.1, libtpu 0.0.50.1 (JAX-only tests)"
 start=$SECONDS
-( offline .venv-jax012/bin/python -m pytest tests/jax "$@" > "$leg2_log" 2>&1
+( offline .venv-jax012/bin/python -m pytest tests/jax --durations=15 \
+    --junitxml=build-reports/junit-leg2.xml "$@" > "$leg2_log" 2>&1
   rc=$?
   echo "== leg 2 finished after $(( SECONDS - start )) s" >> "$leg2_log"
   exit $rc ) &
@@ -22,7 +24,7 @@ leg2_pid=$!
 trap 'kill $leg2_pid 2>/dev/null' EXIT
 
 echo "== leg 1: Python 3.11, jax 0.10.2, torch 2.13.0 (all tests)"
-offline .venv/bin/python -m pytest tests "$@"
+offline .venv/bin/python -m pytest tests --durations=15 --junitxml=build-reports/junit-leg1.xml "$@"
 leg1=$?
 echo "== leg 1 finished after $(( SECONDS - start )) s; waiting for leg 2"
 wait $leg2_pid

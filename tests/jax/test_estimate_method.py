@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import attention_estimate  # noqa: E402
+from tpu_kernels import flash_attention as F  # noqa: E402
 import headline  # noqa: E402
 
 
@@ -67,25 +68,46 @@ def test_visited_and_interior_tiles_by_brute_force(seq, bq, bk):
   assert attention_estimate.interior_tiles(seq, bq, bk) == interior
 
 
-def test_attention_hbm_bytes_replay_the_forward_grid():
-  case = headline.Attention(seq=3000, batch=2, q_heads=8, kv_heads=2, head_dim=128)
+def _forward_grid(seq: int, bq: int, bk: int, folded: bool):
+  """(q block, kv block, computes) of every forward grid step of one (batch row, KV head),
+  from the kernel's documented schedule: folded, row i runs q block i then q block
+  nq - 1 - i, each over the kv blocks it can see; else a row per q block over every kv
+  step, the steps past its range waiting at kv block 0."""
+  num_q, num_k = -(-seq // bq), -(-seq // bk)
+  sees = [[j for j in range(num_k) if j * bk <= min((i + 1) * bq, seq) - 1]
+          for i in range(num_q)]                  # kv blocks with a key <= the last row
+  if folded:
+    return [(q, j, True) for i in range(num_q // 2) for q in (i, num_q - 1 - i)
+            for j in sees[q]]
+  return [(i, step if step in sees[i] else 0, step in sees[i]) for i in range(num_q)
+          for step in range(num_k)]
+
+
+@pytest.mark.parametrize("seq, folded", [(3000, False), (4096, True), (5120, False)])
+def test_attention_hbm_bytes_replay_the_forward_grid(seq, folded):
+  case = headline.Attention(seq=seq, batch=2, q_heads=8, kv_heads=2, head_dim=128)
   t = attention_estimate.tiling(case, "v6e")
-  num_q, num_k = -(-case.seq // t.block_q), -(-case.seq // t.block_k)
-  hi = attention_estimate.visited_tiles(case.seq, t.block_q, t.block_k)
+  num_q = -(-case.seq // t.block_q)
+  assert F._fold_causal(True, None, 0, seq, seq, t.block_q, t.block_k) == folded
+  grid = _forward_grid(case.seq, t.block_q, t.block_k, folded)
+  # Whichever the schedule, each tile with a visible (row, key) pair is computed once.
+  computed = [(q, j) for q, j, runs in grid if runs]
+  visible = {(q, j) for q in range(num_q) for j in range(-(-seq // t.block_k))
+             if j * t.block_k <= min((q + 1) * t.block_q, seq) - 1}
+  assert len(computed) == len(set(computed)) and set(computed) == visible
+  assert len(computed) == sum(attention_estimate.visited_tiles(case.seq, t.block_q, t.block_k))
   moved, last = 0, {}
   kv_block_bytes = t.block_k * case.head_dim * 2
   q_block_bytes = (case.q_heads // case.kv_heads) * t.block_q * case.head_dim * 2
   for b in range(case.batch):
     for h in range(case.kv_heads):
-      for i in range(num_q):
-        for step in range(num_k):            # the grid's kv axis: every block, clamped
-          j = min(step, hi[i] - 1)
-          for name, index, nbytes in (("q", (b, h, i), q_block_bytes),
-                                      ("k", (b, h, j), kv_block_bytes),
-                                      ("v", (b, h, j), kv_block_bytes)):
-            if last.get(name) != index:
-              moved += nbytes
-              last[name] = index
+      for q, j, _ in grid:
+        for name, index, nbytes in (("q", (b, h, q), q_block_bytes),
+                                    ("k", (b, h, j), kv_block_bytes),
+                                    ("v", (b, h, j), kv_block_bytes)):
+          if last.get(name) != index:
+            moved += nbytes
+            last[name] = index
   out_and_lse = case.batch * case.q_heads * num_q * t.block_q * (case.head_dim * 2 + 4)
   assert attention_estimate.hbm_bytes(case, t) == moved + out_and_lse
 

@@ -39,8 +39,11 @@ PROPERTY_HEAD_DIMS = [64, 64, 64, 80, 128]
 
 @functools.partial(jax.jit, static_argnames=("static",))
 def _forward_and_grads(q, k, v, sinks, segment_ids, q_offset, grad_out, grad_lse, static):
-  """(out, lse, grads) with q_offset traced; static: a tuple of the other options."""
+  """(out, lse, grads) with q_offset traced (or, if None, the Python int in `static`);
+  static: a tuple of the other options."""
   options = dict(static)
+  if q_offset is None:
+    q_offset = options.pop("q_offset")
 
   def f(q, k, v, sinks):
     return FA.flash_attention(q, k, v, sinks=sinks, segment_ids=segment_ids,
@@ -112,6 +115,17 @@ def _run(p, x):
   return _forward_and_grads(j(x["q"]), j(x["k"]), j(x["v"]), j(x["sinks"]), seg,
                             jnp.int32(p["q_offset"]), j(x["grad_out"]), j(x["grad_lse"]),
                             static=_static(p))
+
+
+def _run_static_offset(p, x):
+  """_run with q_offset a Python int: only then may the forward take the folded causal
+  grid (flash_attention._fold_causal)."""
+  j = lambda a: None if a is None else jnp.asarray(a)
+  seg = x["segment_ids"]
+  seg = tuple(map(j, seg)) if isinstance(seg, tuple) else j(seg)
+  return _forward_and_grads(j(x["q"]), j(x["k"]), j(x["v"]), j(x["sinks"]), seg, None,
+                            j(x["grad_out"]), j(x["grad_lse"]),
+                            static=_static(p) + (("q_offset", p["q_offset"]),))
 
 
 def _masked_rows(p, x):
@@ -323,6 +337,43 @@ def test_gqa_equals_each_head_with_repeated_kv():
   for name in ("dk", "dv"):   # a KV head's gradient is the sum over its query heads'
     folded = np.asarray(grads_r[name]).reshape(2, 2, 4, 300, 64).sum(axis=2)
     ref.assert_close(grads[name], folded, ref.ATTENTION_GRAD_TOLERANCE["float32"], name)
+
+
+@pytest.mark.parametrize("group, dtype, sinks, segments, soft_cap, block_q, block_k, seq", [
+    (2, "float32", None, None, None, 256, 128, 1024),        # 2 kv blocks per q block
+    (1, "bfloat16", "normal", None, None, 128, 128, 512),    # one per q block
+    (4, "float32", None, "shared", None, 256, 128, 512),     # one grid row
+    (2, "float32", "normal", None, 5.0, 512, 128, 1024),     # 4 per q block, soft-cap
+])
+def test_folded_causal_grid(group, dtype, sinks, segments, soft_cap, block_q, block_k, seq):
+  """Causal self-attention with a static zero offset runs the forward on the folded grid
+  (rows pairing q blocks i and nq - 1 - i): it matches the reference, and the unfolded
+  grid (a traced offset) bit for bit, since each q block sees its kv blocks in the same
+  order."""
+  assert FA._fold_causal(True, None, 0, seq, seq, block_q, block_k)
+  p = _problem(batch=1, num_kv_heads=2, group=group, q_len=seq, kv_len=seq, causal=True,
+               dtype=dtype, sinks=sinks, segments=segments, num_segments=3,
+               soft_cap=soft_cap, block_q=block_q, block_k=block_k)
+  x = _inputs(p)
+  out, lse, grads = _run_static_offset(p, x)
+  _check(p, x, out, lse, grads)
+  out_unfolded, lse_unfolded, _ = _run(p, x)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(out_unfolded))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_unfolded))
+
+
+@pytest.mark.parametrize("q_offset, q_len, kv_len, window, block_q, block_k", [
+    (jnp.int32(0), 512, 512, None, 128, 128),   # traced offset
+    (1, 512, 512, None, 128, 128),              # offset
+    (0, 512, 1024, None, 128, 128),             # not self-attention
+    (0, 500, 500, None, 128, 128),              # padded
+    (0, 384, 384, None, 128, 128),              # odd number of q blocks
+    (0, 512, 512, 64, 128, 128),                # window
+    (0, 512, 512, None, 128, 256),              # block_k larger than block_q
+])
+def test_fold_only_where_it_holds(q_offset, q_len, kv_len, window, block_q, block_k):
+  assert not FA._fold_causal(True, window, q_offset, q_len, kv_len, block_q, block_k)
+  assert not FA._fold_causal(False, None, 0, 512, 512, 128, 128)
 
 
 def test_static_and_traced_q_offset_agree_and_lse_is_optional():
