@@ -161,8 +161,9 @@ def test_model_matches_eager_forward_and_backward(registered, op_calls, family, 
   assert len(op_calls["forward"]) == layers and len(op_calls["backward"]) == layers
   config = model.config
   for layer, args in enumerate(op_calls["forward"]):
-    _, _, _, sinks, q_seg, kv_seg, q_offset, causal, _, window, cap = args
-    assert causal and q_offset.tolist() == [0]
+    _, _, _, sinks, q_seg, kv_seg, q_offset, causal, _, window, cap, zero_offset = args
+    # No cache: the int offset 0, static, so that the kernel may fold its causal grid.
+    assert causal and q_offset.tolist() == [0] and zero_offset is True
     sliding = getattr(config, "layer_types", ["full_attention"] * layers)[layer]
     assert window == (ti.ATTENTION_WINDOW if sliding == "sliding_attention" else 0)
     assert cap == (2.0 if family == "gemma2" else 0.0)

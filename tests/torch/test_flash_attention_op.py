@@ -158,7 +158,8 @@ def test_rows_with_no_visible_key(flash):
 def test_q_offset_compiles_once(flash, flash_ops):
   """Chunked prefill: the kernel reads q_offset at run time, so chunks at new offsets
   (ints or int32 tensors alike) reuse one compiled kernel, and give the reference's
-  attention at each offset."""
+  attention at each offset. The int 0 alone is static (zero_offset): one more compile,
+  whatever the call's shapes allow (the folded causal grid where it applies)."""
   gen = torch.Generator().manual_seed(4)
   q = torch.randn(1, 2, 8, 16, generator=gen)
   k = torch.randn(1, 2, 40, 16, generator=gen)
@@ -173,7 +174,29 @@ def test_q_offset_compiles_once(flash, flash_ops):
       ref.assert_close(got, want, ref.ATTENTION_TOLERANCE["float32"],
                        what=f"q_offset {given!r}")
       sizes.append(jitted._cache_size())
-  assert sizes == [sizes[0]] * 6, sizes
+  assert sizes[1] == sizes[0] + 1, sizes    # the int 0, then the tensor 0: two compiles
+  assert sizes[1:] == [sizes[1]] * 5, sizes  # every later offset reuses the tensor's
+
+
+def test_self_attention_prefill_takes_the_folded_grid(flash):
+  """Causal self-attention with the int offset 0 (the default) runs the kernel's folded
+  grid where the tiling allows it: the reference's attention, and bit for bit what the
+  rectangular grid (a tensor offset) gives."""
+  import jax.numpy as jnp
+
+  from tpu_kernels import chips, flash_attention as kernel
+
+  gen = torch.Generator().manual_seed(6)
+  q, k, v = (torch.randn(1, 2, 2048, 64, generator=gen) for _ in range(3))
+  t = kernel.attention_tiling(2048, 2048, 64, group=1, dtype=jnp.float32,
+                              chip=chips.DEFAULT_CHIP, causal=True)
+  assert kernel._fold_causal(True, None, 0, 2048, 2048, t.block_q, t.block_k), t
+  folded = flash.flash_attention(q, k, v, causal=True)
+  rectangular = flash.flash_attention(q, k, v, causal=True,
+                                      q_offset=torch.zeros((), dtype=torch.int32))
+  torch.testing.assert_close(folded, rectangular, rtol=0, atol=0)
+  want = ref.attention(q.numpy(), k.numpy(), v.numpy(), causal=True)[0]
+  ref.assert_close(folded, want, ref.ATTENTION_TOLERANCE["float32"])
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])
@@ -187,14 +210,18 @@ def test_opcheck(flash_ops, requires_grad):
   kv_seg = torch.tensor([[0] * 10 + [1] * 6], dtype=torch.int32)
   offset = torch.tensor([8], dtype=torch.int32)
   opcheck(flash_ops.flash_attention_op,
-          (q, k, v, sinks, q_seg, kv_seg, offset, True, 0.3, 6, 4.0))
-  opcheck(flash_ops.flash_attention_op, (q, k, v, None, None, None, offset, False, 0.25, 0, 0.0))
+          (q, k, v, sinks, q_seg, kv_seg, offset, True, 0.3, 6, 4.0, False))
+  opcheck(flash_ops.flash_attention_op,
+          (q, k, v, None, None, None, offset, False, 0.25, 0, 0.0, False))
+  opcheck(flash_ops.flash_attention_op,   # causal self-attention at offset 0: folded grid
+          (q, q, q, None, None, None, torch.zeros(1, dtype=torch.int32), True, 0.25, 0, 0.0,
+           True))
   if not requires_grad:
     g, gl = torch.randn(1, 2, 8, 16, generator=gen), torch.randn(1, 2, 8, generator=gen)
     opcheck(flash_ops.flash_attention_backward_op,
-            (q, k, v, sinks, q_seg, kv_seg, offset, g, gl, True, 0.3, 6, 4.0))
+            (q, k, v, sinks, q_seg, kv_seg, offset, g, gl, True, 0.3, 6, 4.0, False))
     opcheck(flash_ops.flash_attention_backward_op,
-            (q, k, v, None, None, None, offset, g, None, False, 0.25, 0, 0.0))
+            (q, k, v, None, None, None, offset, g, None, False, 0.25, 0, 0.0, False))
 
 
 def test_torch_compile_fullgraph(flash):
@@ -351,7 +378,7 @@ def test_tpu_branch_passes_placeholders_and_statics(flash, flash_ops, monkeypatc
       ((0,), torch.float32), ((0,), torch.int32), ((0,), torch.int32), ((1,), torch.int32)]
   assert int(tensors[6]) == 3
   assert kwargs == dict(causal=True, sm_scale=0.25, sliding_window=4, soft_cap=0.0,
-                        chip="v6e", interpret=False)
+                        zero_offset=False, chip="v6e", interpret=False)
   assert [tuple(t.shape) for t in tensors2[3:]] == [(4,), (2, 8), (2, 8), (1,)]
   assert int(tensors2[6]) == 2
   assert kwargs2["soft_cap"] == 5.0 and kwargs2["sliding_window"] == 0

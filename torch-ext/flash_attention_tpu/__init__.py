@@ -105,8 +105,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     sinks: None or [Hq] (float32 or q's dtype): one learned logit per query head in the
       softmax denominator (gpt-oss).
     q_offset: position of query row 0 in the key sequence (chunked prefill), >= 0: an int
-      or an int32 tensor of shape () or (1,) on q's device. Either way the kernel reads
-      it at run time: chunks at different offsets reuse one compiled kernel.
+      or an int32 tensor of shape () or (1,) on q's device. The kernel reads it at run
+      time: chunks at different offsets reuse one compiled kernel. The int 0 (the
+      default) is also known when compiling: causal self-attention then runs on the
+      kernel's folded grid, with no skipped steps (one more compile at most).
     return_lse: also return the log-sum-exp lse [B, Hq, Sq] float32.
   Returns:
     out [B, Hq, Sq, D] in q's dtype, or (out, lse). Differentiable in q, k, v and sinks
@@ -164,8 +166,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
       "q": q, "k": k, "v": v, "sinks": sinks, "q_segment_ids": q_seg, "kv_segment_ids": kv_seg,
       "q_offset": q_offset if isinstance(q_offset, torch.Tensor) else None})
   offset = _q_offset(op, q_offset, q.device)
+  # The int 0 (not a tensor, not a SymInt) is known now: causal self-attention may then
+  # run on the kernel's folded grid (one grid step per visited tile).
+  zero_offset = type(q_offset) is int and q_offset == 0
   out, lse = flash_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), sinks, q_seg,
-                                kv_seg, offset, causal, sm_scale, window, cap)
+                                kv_seg, offset, causal, sm_scale, window, cap, zero_offset)
   return (out, lse) if return_lse else out
 
 

@@ -3,15 +3,17 @@
 Ops, in the namespace of this build (`_ops.NAMESPACE`, unique per kernel and version):
 
   flash_attention(q, k, v, sinks?, q_segment_ids?, kv_segment_ids?, q_offset,
-                  causal, sm_scale, sliding_window, soft_cap)
+                  causal, sm_scale, sliding_window, soft_cap, zero_offset)
       -> (out [B, Hq, Sq, D], lse [B, Hq, Sq] float32)
   flash_attention_backward(q, k, v, sinks?, q_segment_ids?, kv_segment_ids?, q_offset,
                            grad_out, grad_lse?, <statics>) -> (dq, dk, dv, dsinks)
 
 Absent optional tensors travel to JAX as empty (0,) tensors; dsinks comes back (0,)
 without sinks and reaches autograd as None. q_offset is a (1,) int32 tensor, a runtime
-value of the kernel: one compiled kernel serves every offset. sliding_window 0 and
-soft_cap 0.0 mean "none".
+value of the kernel: one compiled kernel serves every offset. zero_offset (static) says
+the caller passed the int 0: then the kernel may take its folded causal grid (causal
+self-attention prefill; flash_attention._fold_causal), a second compile at most.
+sliding_window 0 and soft_cap 0.0 mean "none".
 The forward op is differentiable (first order) in q, k, v and sinks, through out and lse;
 the backward JAX function recomputes the forward under jax.vjp, so the Pallas backward
 kernels run. An unused lse passes no cotangent (grad_lse None).
@@ -45,22 +47,22 @@ def _tensors(q, k, v, sinks, q_segment_ids, kv_segment_ids, q_offset) -> dict:
           "kv_segment_ids": _or_empty(kv_segment_ids, q, torch.int32), "q_offset": q_offset}
 
 
-def _statics(causal, sm_scale, sliding_window, soft_cap) -> dict:
+def _statics(causal, sm_scale, sliding_window, soft_cap, zero_offset) -> dict:
   return dict(causal=causal, sm_scale=sm_scale, sliding_window=sliding_window,
-              soft_cap=soft_cap)
+              soft_cap=soft_cap, zero_offset=zero_offset)
 
 
 def _backward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    sinks: torch.Tensor | None, q_segment_ids: torch.Tensor | None,
                    kv_segment_ids: torch.Tensor | None, q_offset: torch.Tensor,
                    grad_out: torch.Tensor, grad_lse: torch.Tensor | None, causal: bool,
-                   sm_scale: float, sliding_window: int, soft_cap: float
+                   sm_scale: float, sliding_window: int, soft_cap: float, zero_offset: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
   tensors = _tensors(q, k, v, sinks, q_segment_ids, kv_segment_ids, q_offset)
   tensors["grad_out"] = grad_out
   tensors["grad_lse"] = _or_empty(grad_lse, q)
   dq, dk, dv, dsinks = _backward(tensors, **_statics(causal, sm_scale, sliding_window,
-                                                     soft_cap))
+                                                     soft_cap, zero_offset))
   return dq, dk, dv, dsinks
 
 
@@ -78,10 +80,11 @@ flash_attention_backward_op = _shim.custom_op_once(
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   sinks: torch.Tensor | None, q_segment_ids: torch.Tensor | None,
                   kv_segment_ids: torch.Tensor | None, q_offset: torch.Tensor, causal: bool,
-                  sm_scale: float, sliding_window: int, soft_cap: float
+                  sm_scale: float, sliding_window: int, soft_cap: float, zero_offset: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:
   tensors = _tensors(q, k, v, sinks, q_segment_ids, kv_segment_ids, q_offset)
-  out, lse = _forward(tensors, **_statics(causal, sm_scale, sliding_window, soft_cap))
+  out, lse = _forward(tensors, **_statics(causal, sm_scale, sliding_window, soft_cap,
+                                          zero_offset))
   return out, lse
 
 
@@ -106,7 +109,7 @@ def _autograd(ctx, grad_out, grad_lse):
       q, k, v, sinks, q_segment_ids, kv_segment_ids, q_offset, grad_out.contiguous(),
       None if grad_lse is None else grad_lse.contiguous(), *ctx.statics)
   return (dq, dk, dv, None if sinks is None else dsinks, None, None, None, None, None, None,
-          None)
+          None, None)
 
 
 def _setup(op):
