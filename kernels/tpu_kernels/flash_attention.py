@@ -52,7 +52,11 @@ block_k and an even number of q blocks, the forward's grid row i runs q block i 
 then q block nq - 1 - i: r (i + 1) + r (nq - i) = r (nq + 1) kv steps per row
 (r = block_q / block_k), exactly one step per visited tile (`_fold_causal`,
 `_folded`). The output block changes mid-row; Pallas writes each back when its index
-changes. The backward kernels keep the rectangular grid.
+changes. dq uses the same rows; dkv pairs kv blocks j and nk - 1 - j, which the q
+blocks see nq - floor(j / r) and nq - floor((nk - 1 - j) / r) times: nq + 1 together
+(`_folded_dkv`). In libtpu's estimate (v6e, S=4096, 2 heads, 1024 x 1024 blocks) the
+forward, dkv and dq kernels take 21%, 26% and 24% fewer cycles than on the
+rectangular grids.
 Blocks that the causal / window / key-padding mask crosses run a masked copy of the
 body; the interior blocks run it without iotas, compares or selects. Segment ids mask
 inside every block and do not skip any.
@@ -359,6 +363,21 @@ def _folded(row, step, nq: int, st: _Static):
   return q_block, kv_block, starts, ends
 
 
+def _folded_dkv(row, step, nq: int, nk: int, st: _Static):
+  """The dkv kernel's folded grid (same conditions as the forward's): row i runs kv block
+  i over the q blocks that see it, [floor(i / r), nq), then kv block nk - 1 - i over
+  its own; the two counts sum to nq + 1. -> (kv block, q block, first step of the kv
+  block, last step)."""
+  r = st.block_q // st.block_k
+  first_len = nq - _div(row, r)      # _div, not //: jnp's // lowers through lax.sign,
+  in_first = step < first_len        # which Mosaic cannot lower ahead of time on a CPU host
+  kv_block = jnp.where(in_first, row, nk - 1 - row)
+  q_block = jnp.where(in_first, _div(row, r) + step, _div(nk - 1 - row, r) + step - first_len)
+  starts = (step == 0) | (step == first_len)
+  ends = (step == first_len - 1) | (step == nq)
+  return kv_block, q_block, starts, ends
+
+
 def _needs_mask(q_first, k_first, st: _Static, padded_keys: bool):
   """Whether a (q block, kv block) pair holds any invisible pair: a traced bool, True
   (segment ids: any block may), or None (nothing is ever masked). Interior blocks skip
@@ -557,21 +576,26 @@ def _forward(q5, k, v, sinks, q_seg, kv_seg, q_offset, st: _Static):
 
 
 def _dq_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs,
-               st: _Static, group, num_kv_blocks, padded_keys):
+               st: _Static, group, num_q_blocks, num_kv_blocks, padded_keys):
   del sinks_ref
   if st.has_segments:
     q_seg_ref, kv_seg_ref, *refs = refs
   dq_ref, acc_ref = refs
-  q_block, step = pl.program_id(2), pl.program_id(3)
+  row, step = pl.program_id(2), pl.program_id(3)
   bq, bk = st.block_q, st.block_k
+  q_offset = q_offset_ref[0]
+  if st.fold:   # the forward's folded grid
+    q_block, kv_block, starts, ends = _folded(row, step, num_q_blocks, st)
+    run = jnp.bool_(True)
+  else:
+    q_block = row
+    lo, hi = _kv_range(q_block, q_offset, st, num_kv_blocks)
+    kv_block, run = _visit(lo, hi, step)
+    starts, ends = step == 0, step == pl.num_programs(3) - 1
 
-  @pl.when(step == 0)
+  @pl.when(starts)
   def _init():
     acc_ref[...] = jnp.zeros_like(acc_ref)
-
-  q_offset = q_offset_ref[0]
-  lo, hi = _kv_range(q_block, q_offset, st, num_kv_blocks)
-  kv_block, run = _visit(lo, hi, step)
 
   def _compute(masked):
     k = k_ref[...]
@@ -600,30 +624,35 @@ def _dq_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di
   q_first = q_offset + q_block * bq
   _run_block(run, _needs_mask(q_first, kv_block * bk, st, padded_keys), _compute)
 
-  @pl.when(step == pl.num_programs(3) - 1)
+  @pl.when(ends)
   def _finish():
     dq_ref[...] = (acc_ref[...] * st.sm_scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs,
-                st: _Static, group, num_q_blocks, padded_keys):
+                st: _Static, group, num_q_blocks, num_kv_blocks, padded_keys):
   """Transposed form (keys on sublanes, query rows on lanes), so that lse and di are
   used as the rows they are stored as."""
   del sinks_ref
   if st.has_segments:
     q_seg_ref, kv_seg_ref, *refs = refs
   dk_ref, dv_ref, dk_acc_ref, dv_acc_ref = refs
-  kv_block, step = pl.program_id(2), pl.program_id(3)
+  row, step = pl.program_id(2), pl.program_id(3)
   bq, bk = st.block_q, st.block_k
+  q_offset = q_offset_ref[0]
+  if st.fold:
+    kv_block, q_block, starts, ends = _folded_dkv(row, step, num_q_blocks, num_kv_blocks, st)
+    run = jnp.bool_(True)
+  else:
+    kv_block = row
+    lo, hi = _q_range(kv_block, q_offset, st, num_q_blocks)
+    q_block, run = _visit(lo, hi, step)
+    starts, ends = step == 0, step == pl.num_programs(3) - 1
 
-  @pl.when(step == 0)
+  @pl.when(starts)
   def _init():
     dk_acc_ref[...] = jnp.zeros_like(dk_acc_ref)
     dv_acc_ref[...] = jnp.zeros_like(dv_acc_ref)
-
-  q_offset = q_offset_ref[0]
-  lo, hi = _q_range(kv_block, q_offset, st, num_q_blocks)
-  q_block, run = _visit(lo, hi, step)
 
   def _compute(masked):
     k = k_ref[...]
@@ -656,7 +685,7 @@ def _dkv_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
   q_first = q_offset + q_block * bq
   _run_block(run, _needs_mask(q_first, kv_block * bk, st, padded_keys), _compute)
 
-  @pl.when(step == pl.num_programs(3) - 1)
+  @pl.when(ends)
   def _finish():
     dk_ref[...] = (dk_acc_ref[...] * st.sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)
@@ -673,28 +702,44 @@ def _backward(q5, k, v, sinks, q_seg, kv_seg, q_offset, lse, do5, di, st: _Stati
       dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
       vmem_limit_bytes=st.vmem_limit_bytes)
 
-  # dq: the forward's grid.
-  def kv_map(b, h, i, t, q_offset_ref, sinks_ref):
-    lo, hi = _kv_range(i, q_offset_ref[0], st, nk)
-    next_lo, _ = _kv_range(jnp.where(i + 1 < nq, i + 1, 0), q_offset_ref[0], st, nk)
-    return b, h, _fetch(lo, hi, t, next_lo), 0
+  # dq: the forward's grid, folded or not.
+  if st.fold:
+    rows, steps = nq // 2, (nq + 1) * (bq // bk)
 
-  q_spec = pl.BlockSpec((None, None, group, bq, head_dim), lambda b, h, i, t, *_: (b, h, 0, i, 0))
-  row_spec = pl.BlockSpec((None, None, group, bq), lambda b, h, i, t, *_: (b, h, 0, i))
-  kv_spec = pl.BlockSpec((None, None, bk, head_dim), kv_map)
+    def q_of(i, t, *_):
+      return _folded(i, t, nq, st)[0]
+
+    def kv_of(i, t, *_):
+      return _folded(i, t, nq, st)[1]
+  else:
+    rows, steps = nq, _num_steps(bq, bk, nk, st)
+
+    def q_of(i, t, *_):
+      return i
+
+    def kv_of(i, t, q_offset_ref, sinks_ref):
+      lo, hi = _kv_range(i, q_offset_ref[0], st, nk)
+      next_lo, _ = _kv_range(jnp.where(i + 1 < nq, i + 1, 0), q_offset_ref[0], st, nk)
+      return _fetch(lo, hi, t, next_lo)
+
+  q_spec = pl.BlockSpec((None, None, group, bq, head_dim),
+                        lambda b, h, i, t, *r: (b, h, 0, q_of(i, t, *r), 0))
+  row_spec = pl.BlockSpec((None, None, group, bq),
+                          lambda b, h, i, t, *r: (b, h, 0, q_of(i, t, *r)))
+  kv_spec = pl.BlockSpec((None, None, bk, head_dim),
+                         lambda b, h, i, t, *r: (b, h, kv_of(i, t, *r), 0))
   in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   operands = [q5, k, v, do5, lse, di]
   if st.has_segments:
-    in_specs += [pl.BlockSpec((None, 1, bq), lambda b, h, i, t, *_: (b, 0, i)),
-                 pl.BlockSpec((None, 1, bk), lambda b, h, i, t, qo, sk: (b, 0, kv_map(
-                     b, h, i, t, qo, sk)[2]))]
+    in_specs += [pl.BlockSpec((None, 1, bq), lambda b, h, i, t, *r: (b, 0, q_of(i, t, *r))),
+                 pl.BlockSpec((None, 1, bk), lambda b, h, i, t, *r: (b, 0, kv_of(i, t, *r)))]
     operands += [q_seg, kv_seg]
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, st=st, group=group, num_kv_blocks=nk,
+      functools.partial(_dq_kernel, st=st, group=group, num_q_blocks=nq, num_kv_blocks=nk,
                         padded_keys=padded_keys),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2,
-          grid=(batch, num_kv_heads, nq, _num_steps(bq, bk, nk, st)),
+          grid=(batch, num_kv_heads, rows, steps),
           in_specs=in_specs,
           out_specs=q_spec,
           scratch_shapes=[pltpu.VMEM((group, bq, head_dim), jnp.float32)]),
@@ -702,26 +747,42 @@ def _backward(q5, k, v, sinks, q_seg, kv_seg, q_offset, lse, do5, di, st: _Stati
       compiler_params=params, interpret=st.interpret, name=DQ_KERNEL,
   )(q_offset, sinks, *operands)
 
-  # dk, dv: kv blocks outer, the q blocks that see them inner.
-  def q_map(b, h, j, t, q_offset_ref, sinks_ref):
-    lo, hi = _q_range(j, q_offset_ref[0], st, nq)
-    return _visit(lo, hi, t)[0]
+  # dk, dv: kv blocks outer, the q blocks that see them inner (folded: kv blocks j and
+  # nk - 1 - j share a row).
+  if st.fold:
+    rows_t, steps_t = nk // 2, nq + 1
+
+    def kv_of_t(j, t, *_):
+      return _folded_dkv(j, t, nq, nk, st)[0]
+
+    def q_of_t(j, t, *_):
+      return _folded_dkv(j, t, nq, nk, st)[1]
+  else:
+    rows_t, steps_t = nk, _num_steps(bk, bq, nq, st)
+
+    def kv_of_t(j, t, *_):
+      return j
+
+    def q_of_t(j, t, q_offset_ref, sinks_ref):
+      lo, hi = _q_range(j, q_offset_ref[0], st, nq)
+      return _visit(lo, hi, t)[0]
 
   q_spec_t = pl.BlockSpec((None, None, group, bq, head_dim),
-                          lambda b, h, j, t, *r: (b, h, 0, q_map(b, h, j, t, *r), 0))
+                          lambda b, h, j, t, *r: (b, h, 0, q_of_t(j, t, *r), 0))
   row_spec_t = pl.BlockSpec((None, None, group, bq),
-                            lambda b, h, j, t, *r: (b, h, 0, q_map(b, h, j, t, *r)))
-  kv_spec_t = pl.BlockSpec((None, None, bk, head_dim), lambda b, h, j, t, *_: (b, h, j, 0))
+                            lambda b, h, j, t, *r: (b, h, 0, q_of_t(j, t, *r)))
+  kv_spec_t = pl.BlockSpec((None, None, bk, head_dim),
+                           lambda b, h, j, t, *r: (b, h, kv_of_t(j, t, *r), 0))
   in_specs = [q_spec_t, kv_spec_t, kv_spec_t, q_spec_t, row_spec_t, row_spec_t]
   if st.has_segments:
-    in_specs += [pl.BlockSpec((None, 1, bq), lambda b, h, j, t, *r: (b, 0, q_map(b, h, j, t, *r))),
-                 pl.BlockSpec((None, 1, bk), lambda b, h, j, t, *_: (b, 0, j))]
+    in_specs += [pl.BlockSpec((None, 1, bq), lambda b, h, j, t, *r: (b, 0, q_of_t(j, t, *r))),
+                 pl.BlockSpec((None, 1, bk), lambda b, h, j, t, *r: (b, 0, kv_of_t(j, t, *r)))]
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, st=st, group=group, num_q_blocks=nq,
+      functools.partial(_dkv_kernel, st=st, group=group, num_q_blocks=nq, num_kv_blocks=nk,
                         padded_keys=padded_keys),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2,
-          grid=(batch, num_kv_heads, nk, _num_steps(bk, bq, nq, st)),
+          grid=(batch, num_kv_heads, rows_t, steps_t),
           in_specs=in_specs,
           out_specs=[kv_spec_t, kv_spec_t],
           scratch_shapes=[pltpu.VMEM((bk, head_dim), jnp.float32),

@@ -346,10 +346,10 @@ def test_gqa_equals_each_head_with_repeated_kv():
     (2, "float32", "normal", None, 5.0, 512, 128, 1024),     # 4 per q block, soft-cap
 ])
 def test_folded_causal_grid(group, dtype, sinks, segments, soft_cap, block_q, block_k, seq):
-  """Causal self-attention with a static zero offset runs the forward on the folded grid
-  (rows pairing q blocks i and nq - 1 - i): it matches the reference, and the unfolded
-  grid (a traced offset) bit for bit, since each q block sees its kv blocks in the same
-  order."""
+  """Causal self-attention with a static zero offset runs all three kernels on folded
+  grids (rows pairing q blocks i and nq - 1 - i; for dkv, kv blocks j and nk - 1 - j):
+  they match the reference, and the rectangular grids (a traced offset) bit for bit,
+  since each block accumulates its partners in the same order."""
   assert FA._fold_causal(True, None, 0, seq, seq, block_q, block_k)
   p = _problem(batch=1, num_kv_heads=2, group=group, q_len=seq, kv_len=seq, causal=True,
                dtype=dtype, sinks=sinks, segments=segments, num_segments=3,
@@ -357,9 +357,13 @@ def test_folded_causal_grid(group, dtype, sinks, segments, soft_cap, block_q, bl
   x = _inputs(p)
   out, lse, grads = _run_static_offset(p, x)
   _check(p, x, out, lse, grads)
-  out_unfolded, lse_unfolded, _ = _run(p, x)
+  out_unfolded, lse_unfolded, grads_unfolded = _run(p, x)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(out_unfolded))
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_unfolded))
+  for name in ("dq", "dk", "dv", "dsinks"):
+    if grads[name] is not None:
+      np.testing.assert_array_equal(np.asarray(grads[name]), np.asarray(grads_unfolded[name]),
+                                    err_msg=name)
 
 
 @pytest.mark.parametrize("q_offset, q_len, kv_len, window, block_q, block_k", [

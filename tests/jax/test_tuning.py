@@ -1,0 +1,118 @@
+"""benchmarks/tuning.py: the child runner, the rating log and the table-module writer that
+estimate.py, anchors.py and both tuners share (fast; no jax, no estimator)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import tuning  # noqa: E402
+
+
+def _script(tmp_path, body: str) -> Path:
+  path = tmp_path / "child.py"
+  path.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+                  "import tuning\n" + textwrap.dedent(body))
+  return path
+
+
+def test_run_child_collects_rows_and_ignores_other_output(tmp_path):
+  child = _script(tmp_path, """
+      print("some log line")
+      tuning.print_row({"a": 1})
+      tuning.print_row({"a": 2, "b": [1, 2]})
+      print(sys.argv[1:])
+  """)
+  rows, error = tuning.run_child(child, ["x", "y"])
+  assert error is None
+  assert rows == [{"a": 1}, {"a": 2, "b": [1, 2]}]
+
+
+def test_run_child_reports_libtpu_fatal_line(tmp_path):
+  # libtpu's LLO_CHECK: a fatal log line on stderr, then an abort.
+  child = _script(tmp_path, """
+      tuning.print_row({"partial": True})
+      print("W1130 12:00:00.000 1 x.cc:1] a warning", file=sys.stderr)
+      print("F1130 12:00:00.000 1 llo.cc:9] Check failed: type", file=sys.stderr)
+      print("*** Check failure stack trace: ***", file=sys.stderr)
+      sys.exit(134)
+  """)
+  rows, error = tuning.run_child(child, [])
+  assert rows == [{"partial": True}]
+  assert error.startswith("exit 134: F1130") and "Check failed: type" in error
+
+
+def test_run_child_without_a_row_is_an_error(tmp_path):
+  child = _script(tmp_path, """
+      print("Traceback ...", file=sys.stderr)
+      print("ValueError: bad tile", file=sys.stderr)
+  """)
+  rows, error = tuning.run_child(child, [])
+  assert rows == [] and error == "no result: ValueError: bad tile"
+
+
+def test_run_child_timeout(tmp_path):
+  child = _script(tmp_path, "import time\ntime.sleep(30)\n")
+  rows, error = tuning.run_child(child, [], timeout=1)
+  assert rows == [] and "over 1 s" in error
+
+
+def test_child_env_drops_the_parents_profile_directory(monkeypatch):
+  monkeypatch.setenv("LIBTPU_INIT_ARGS",
+                     "--a=1 --xla_jf_dump_static_llo_profile_to=/tmp/x --b=2")
+  env = tuning.child_env(EXTRA="1")
+  assert "static_llo_profile" not in env["LIBTPU_INIT_ARGS"]
+  assert "--a=1" in env["LIBTPU_INIT_ARGS"] and "--b=2" in env["LIBTPU_INIT_ARGS"]
+  assert env["EXTRA"] == "1" and env["JAX_PLATFORMS"] == "cpu"
+
+
+def test_enable_static_profile_adds_the_flag_once(monkeypatch):
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--a=1")
+  tuning.enable_static_profile()
+  first = os.environ["LIBTPU_INIT_ARGS"]
+  directory = tuning.PROFILE_FLAG.search(first).group(0).split("=", 1)[1]
+  assert Path(directory).is_dir() and first.startswith("--a=1 ")
+  tuning.enable_static_profile()
+  assert os.environ["LIBTPU_INIT_ARGS"] == first
+
+
+def test_log_round_trip_and_kept_rows(tmp_path):
+  log = tmp_path / "ratings.jsonl"
+  assert tuning.read_log(log) == []
+  rows = [dict(chip="v5e", cycles=1), dict(chip="v6e", cycles=2), dict(chip="v5e", cycles=None)]
+  tuning.write_log(log, rows)
+  assert tuning.read_log(log) == rows
+  assert tuning.kept_rows(log, lambda r: r["chip"] == "v5e") == [rows[1]]
+
+
+def test_table_module_keeps_the_header_and_is_importable(tmp_path):
+  module = tmp_path / "table_mod.py"
+  module.write_text('"""Generated. Do not edit."""\n\nTABLE: dict = {\n    ("old",): 1,\n}\n')
+  entries = {("v6e", "bfloat16", 128): (512, 1024, 33554432), ("v5e", "int8", 64): (256, 256, 0)}
+  tuning.write_table_module(module, "TABLE", "dict[tuple[str, str, int], tuple]", entries)
+  text = module.read_text()
+  assert text.startswith('"""Generated. Do not edit."""\n\nTABLE: dict[tuple[str, str, int], tuple] = {')
+  assert text.index("'v5e'") < text.index("'v6e'") and "old" not in text
+  namespace: dict = {}
+  exec(compile(text, str(module), "exec"), namespace)
+  assert namespace["TABLE"] == entries
+
+
+@pytest.mark.parametrize("tuner, table", [("tune_flash_attention", "flash_attention_tuned"),
+                                          ("tune_paged_attention", "paged_attention_tuned")])
+def test_tables_are_reproduced_from_their_logs(tuner, table, tmp_path):
+  """The shipped table is exactly what its tuner builds from the shipped rating log."""
+  shipped = ROOT / "kernels" / "tpu_kernels" / f"{table}.py"
+  out = tmp_path / f"{table}.py"
+  out.write_text(shipped.read_text())
+  result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{tuner}.py"),
+                           "--from-log", "--out", str(out)], capture_output=True, text=True,
+                          env=tuning.child_env())
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert out.read_text() == shipped.read_text()
