@@ -511,6 +511,31 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
       lse_ref[g] = lse[:, 0]
 
 
+def _q_major_grid(nq: int, nk: int, st: _Static):
+  """(rows, steps, q_of, kv_of) of the forward's and dq's grid (B, Hkv, rows, steps):
+  folded, nq / 2 rows of paired q blocks with one step per visited tile; else a row per
+  q block whose steps past its kv range are skipped. q_of / kv_of map (row, step, *the
+  scalar-prefetch refs) to the q and kv block, for the index maps."""
+  if st.fold:
+    def q_of(i, t, *_):
+      return _folded(i, t, nq, st)[0]
+
+    def kv_of(i, t, *_):
+      return _folded(i, t, nq, st)[1]
+
+    return nq // 2, (nq + 1) * (st.block_q // st.block_k), q_of, kv_of
+
+  def q_of(i, t, *_):
+    return i
+
+  def kv_of(i, t, q_offset_ref, sinks_ref):
+    lo, hi = _kv_range(i, q_offset_ref[0], st, nk)
+    next_lo, _ = _kv_range(jnp.where(i + 1 < nq, i + 1, 0), q_offset_ref[0], st, nk)
+    return _fetch(lo, hi, t, next_lo)
+
+  return nq, _num_steps(st.block_q, st.block_k, nk, st), q_of, kv_of
+
+
 def _forward(q5, k, v, sinks, q_seg, kv_seg, q_offset, st: _Static):
   """q5 [B, Hkv, G, Sq_p, D], k / v [B, Hkv, Skv_p, D] (padded to blocks) ->
   out [B, Hkv, G, Sq_p, D], lse [B, Hkv, G, Sq_p] f32."""
@@ -518,24 +543,7 @@ def _forward(q5, k, v, sinks, q_seg, kv_seg, q_offset, st: _Static):
   kv_len_p = k.shape[2]
   bq, bk = st.block_q, st.block_k
   nq, nk = q_len // bq, kv_len_p // bk
-  if st.fold:   # nq / 2 rows of paired q blocks, one step per visited tile
-    rows, steps = nq // 2, (nq + 1) * (bq // bk)
-
-    def q_of(i, t, *_):
-      return _folded(i, t, nq, st)[0]
-
-    def kv_of(i, t, *_):
-      return _folded(i, t, nq, st)[1]
-  else:         # a row per q block; steps past its kv range are skipped
-    rows, steps = nq, _num_steps(bq, bk, nk, st)
-
-    def q_of(i, t, *_):
-      return i
-
-    def kv_of(i, t, q_offset_ref, sinks_ref):
-      lo, hi = _kv_range(i, q_offset_ref[0], st, nk)
-      next_lo, _ = _kv_range(jnp.where(i + 1 < nq, i + 1, 0), q_offset_ref[0], st, nk)
-      return _fetch(lo, hi, t, next_lo)
+  rows, steps, q_of, kv_of = _q_major_grid(nq, nk, st)
 
   q_spec = pl.BlockSpec((None, None, group, bq, head_dim),
                         lambda b, h, i, t, *refs: (b, h, 0, q_of(i, t, *refs), 0))
@@ -703,24 +711,7 @@ def _backward(q5, k, v, sinks, q_seg, kv_seg, q_offset, lse, do5, di, st: _Stati
       vmem_limit_bytes=st.vmem_limit_bytes)
 
   # dq: the forward's grid, folded or not.
-  if st.fold:
-    rows, steps = nq // 2, (nq + 1) * (bq // bk)
-
-    def q_of(i, t, *_):
-      return _folded(i, t, nq, st)[0]
-
-    def kv_of(i, t, *_):
-      return _folded(i, t, nq, st)[1]
-  else:
-    rows, steps = nq, _num_steps(bq, bk, nk, st)
-
-    def q_of(i, t, *_):
-      return i
-
-    def kv_of(i, t, q_offset_ref, sinks_ref):
-      lo, hi = _kv_range(i, q_offset_ref[0], st, nk)
-      next_lo, _ = _kv_range(jnp.where(i + 1 < nq, i + 1, 0), q_offset_ref[0], st, nk)
-      return _fetch(lo, hi, t, next_lo)
+  rows, steps, q_of, kv_of = _q_major_grid(nq, nk, st)
 
   q_spec = pl.BlockSpec((None, None, group, bq, head_dim),
                         lambda b, h, i, t, *r: (b, h, 0, q_of(i, t, *r), 0))

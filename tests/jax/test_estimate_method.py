@@ -155,3 +155,12 @@ def test_mosaic_kernel_cycles_reads_instructions_that_span_lines():
   assert aot.mosaic_kernel_cycles(text) == [12, 30]
   with pytest.raises(RuntimeError, match="no estimated_cycles"):
     aot.mosaic_kernel_cycles('  %a = custom-call(), custom_call_target="tpu_custom_call"')
+
+
+def test_merge_replaces_rerated_rows_in_place(estimate):
+  row = lambda case, impl, chip, v: dict(case=case, implementation=impl, chip=chip, v=v)
+  old = [row("a", "ours", "v5e", 1), row("a", "xla", "v5e", 2), row("b", "ours", "v5e", 3)]
+  new = [row("a", "xla", "v5e", 20), row("a", "anchor", "v5e", 21), row("c", "ours", "v5e", 4)]
+  assert estimate.merged(old, new) == [row("a", "ours", "v5e", 1), row("a", "xla", "v5e", 20),
+                                       row("a", "anchor", "v5e", 21), row("b", "ours", "v5e", 3),
+                                       row("c", "ours", "v5e", 4)]
