@@ -448,14 +448,8 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
   head, row, step = pl.program_id(1), pl.program_id(2), pl.program_id(3)
   bq, bk, head_dim = st.block_q, st.block_k, acc_ref.shape[-1]
   q_offset = q_offset_ref[0]
-  if st.fold:
-    q_block, kv_block, starts, ends = _folded(row, step, num_q_blocks, st)
-    run = jnp.bool_(True)
-  else:
-    q_block = row
-    lo, hi = _kv_range(q_block, q_offset, st, num_kv_blocks)
-    kv_block, run = _visit(lo, hi, step)
-    starts, ends = step == 0, step == pl.num_programs(3) - 1
+  q_block, kv_block, run, starts, ends = _q_major_step(row, step, q_offset, num_q_blocks,
+                                                       num_kv_blocks, st)
 
   @pl.when(starts)
   def _init():
@@ -511,6 +505,17 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
       o_ref[g] = (acc_ref[g] * common.lanes(inv, head_dim)).astype(o_ref.dtype)
       lse = jnp.where(seen, m_ref[g] + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
       lse_ref[g] = lse[:, 0]
+
+
+def _q_major_step(row, step, q_offset, nq: int, nk: int, st: _Static):
+  """Inside the forward and dq kernels: (q block, kv block, whether the step computes,
+  first step of the q block, last step) at grid (row, step) of `_q_major_grid`."""
+  if st.fold:
+    q_block, kv_block, starts, ends = _folded(row, step, nq, st)
+    return q_block, kv_block, jnp.bool_(True), starts, ends
+  lo, hi = _kv_range(row, q_offset, st, nk)
+  kv_block, run = _visit(lo, hi, step)
+  return row, kv_block, run, step == 0, step == pl.num_programs(3) - 1
 
 
 def _q_major_grid(nq: int, nk: int, st: _Static):
@@ -594,14 +599,8 @@ def _dq_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di
   row, step = pl.program_id(2), pl.program_id(3)
   bq, bk = st.block_q, st.block_k
   q_offset = q_offset_ref[0]
-  if st.fold:   # the forward's folded grid
-    q_block, kv_block, starts, ends = _folded(row, step, num_q_blocks, st)
-    run = jnp.bool_(True)
-  else:
-    q_block = row
-    lo, hi = _kv_range(q_block, q_offset, st, num_kv_blocks)
-    kv_block, run = _visit(lo, hi, step)
-    starts, ends = step == 0, step == pl.num_programs(3) - 1
+  q_block, kv_block, run, starts, ends = _q_major_step(row, step, q_offset, num_q_blocks,
+                                                       num_kv_blocks, st)
 
   @pl.when(starts)
   def _init():
