@@ -60,9 +60,8 @@ def kernel_program(case: PagedDecode, chip: str, batch: int, block_kv: int | Non
                       num_kv_heads=case.kv_heads, group=group, q_dtype=jnp.dtype(case.q_dtype),
                       kv_dtype=jnp.dtype(case.kv_dtype), chip=chip, block_kv=block_kv)
   last_key = case.context - 1
-  floors = dict(seq=0, rows=1, q_pos=last_key, kv_len=case.context, first_block=0,
-                last_block=last_key // t.block_kv, first_page=0,
-                last_page=last_key // case.page_size)
+  floors = dict(rows=1, q_pos=last_key, kv_len=case.context, first_block=0,
+                last_block=last_key // t.block_kv)
   quantized = jnp.dtype(case.kv_dtype) in PA.QUANTIZED_DTYPES
   st = PA._Static(sm_scale=1.0 / case.head_dim ** 0.5, soft_cap=None, sliding_window=None,
                   has_sinks=False, quantized=quantized, block_q=1, block_kv=t.block_kv,
@@ -74,14 +73,15 @@ def kernel_program(case: PagedDecode, chip: str, batch: int, block_kv: int | Non
   cache = S((num_pages, case.kv_heads, case.page_size, case.head_dim),
             jnp.dtype(case.kv_dtype))
   specs = [*(S((batch,), jnp.int32) for _ in PA._ITEM_FIELDS),
-           S((batch * pages_per_seq,), jnp.int32), S((2, case.kv_heads), jnp.float32),
+           S((batch * PA._slot_pages_per_item(pages_per_seq, t.pages_per_block),), jnp.int32),
+           S((2, case.kv_heads), jnp.float32),
            S((batch, case.kv_heads * t.rows, case.head_dim), jnp.dtype(case.q_dtype)), cache,
            cache]
 
   def fn(*args):
     items = dict(zip(PA._ITEM_FIELDS, args[:len(PA._ITEM_FIELDS)]))
-    table, scales, q_items, k_pages, v_pages = args[len(PA._ITEM_FIELDS):]
-    return PA._call(items, table, scales, q_items, None, k_pages, v_pages, st)
+    slot_pages, scales, q_items, k_pages, v_pages = args[len(PA._ITEM_FIELDS):]
+    return PA._call(items, slot_pages, scales, q_items, None, k_pages, v_pages, st)
 
   return fn, specs, t
 

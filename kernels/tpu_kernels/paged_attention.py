@@ -37,29 +37,31 @@ a 32/8-head model is eight (16, D) slices (4 rows used) against each page, a pre
 item eight (G * block_q, D) slices. Output blocks are gathered back to [T, Hq, D].
 
 Grid (items, kv steps): kv step t of an item reads pages_per_block pages, one BlockSpec
-per page slot (the page table is scalar-prefetched, so each slot's index map looks its
-page id up: `page_indices[seq, block * pages_per_block + i]`), each block one page of
-all KV heads (the cache viewed, for free, as [num_pages, Hkv * page_size, D]), and
-Pallas double-buffers them like any block. The body loops over the KV heads; online
+per page slot, each block one page of all KV heads (the cache viewed, for free, as
+[num_pages, Hkv * page_size, D]), and Pallas double-buffers them like any block. Every
+slot's page id is worked out in XLA beforehand (`_slot_pages`, below) and
+scalar-prefetched as slot_pages [items, steps * pages_per_block], so an index map is one
+SMEM read: `slot_pages[item, t * pages_per_block + i]`. (Index maps run for every slot
+at every step, twice; with the page lookup and the clamps below done in them instead,
+they were over half of libtpu's estimated cycles per step at 16 pages per step on v6e.) The body loops over the KV heads; online
 softmax over the steps, with f32 running max / sum (lane-replicated) and accumulator in
 VMEM. Every block is 2-D (libtpu's static estimator rates kernels with 3-D blocks at 0
 cycles).
 
 Skipping. Each item needs only the keys from its first query's window start (0 without
 a window) to its last query's position. Steps past that range repeat the last block's
-page indices, so Pallas issues no DMA for them and the body is skipped; pages before the
+page ids, so Pallas issues no DMA for them and the body is skipped; pages before the
 window are never read. In the last block, a page slot past the item's last page keeps
 the page it held one step earlier (again no DMA; on the item's first block it takes the
 last page). So the page table's unused entries, which may hold anything, are never
 read, and only the item's pages cross HBM (plus, at most, repeats within a first block).
 Keys in slots that hold a repeated page are masked by position.
 
-SMEM. The per-item tables and the page table rows are scalar-prefetched. A whole page
-table (S * pages_per_seq words) overflows SMEM (1 MiB) at long contexts and big batches,
-so the items are split into chunks of at most `items_per_call` items, each given only the
-page table rows of the sequences its items touch (gathered in XLA), and one kernel runs
-once per chunk (`lax.map`): SMEM use is bounded by items_per_call * (pages_per_seq + 8)
-words, set from the chip's SMEM budget.
+SMEM. The per-item tables and slot_pages are scalar-prefetched: steps * pages_per_block
+(pages_per_seq rounded up to whole blocks) + 5 words per item. At long contexts and big
+batches that overflows SMEM (1 MiB), so the items are split into chunks of at most
+`items_per_call` items, and one kernel runs once per chunk (`lax.map`), with
+items_per_call set from the chip's SMEM budget.
 
 Quantized caches (int8, float8_e4m3fn) are converted exactly into q's dtype inside the
 kernel (both fit bf16 exactly), and their per-KV-head scales applied to the f32 logits
@@ -101,9 +103,8 @@ _NT = common.NT
 _NN = common.NN
 _INT8_MAX = 127.0
 _FP8_E4M3_MAX = 448.0
-# Per-item int32 tables scalar-prefetched next to the page table rows (see _work_items).
-_ITEM_FIELDS = ("seq", "rows", "q_pos", "kv_len", "first_block", "last_block", "first_page",
-                "last_page")
+# Per-item int32 tables scalar-prefetched next to slot_pages (see _work_items).
+_ITEM_FIELDS = ("rows", "q_pos", "kv_len", "first_block", "last_block")
 # More BlockSpecs per step lengthen compiles for no gain once a step moves enough bytes.
 _MAX_PAGES_PER_BLOCK = 64
 _BLOCK_KV_CANDIDATES = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
@@ -239,24 +240,27 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
                        f"{needed} bytes of VMEM, more than {chip_.name} allows; pass a "
                        f"smaller block_q or block_kv")
   words = vmem.smem_budget_words(chip_)
-  per_item = pages_per_seq + len(_ITEM_FIELDS)
+  pages_per_block = block_kv // page_size
+  per_item = _slot_pages_per_item(pages_per_seq, pages_per_block) + len(_ITEM_FIELDS)
   items = num_work_items(num_tokens, num_seqs, block_q)
-  if min(items, num_seqs) * pages_per_seq + len(_ITEM_FIELDS) * items <= words:
-    items_per_call_fit = items
-  else:
-    items_per_call_fit = words // per_item
-    if items_per_call_fit < 1:
-      raise ValueError(f"a page table row of {pages_per_seq} pages does not fit {chip_.name}'s "
-                       f"SMEM budget ({words} words); use larger pages")
+  items_per_call_fit = min(items, words // per_item)
+  if items_per_call_fit < 1:
+    raise ValueError(f"the page ids of a sequence of {pages_per_seq} pages ({per_item} words "
+                     f"with its item fields) does not fit {chip_.name}'s SMEM budget "
+                     f"({words} words); use larger pages")
   if items_per_call is not None:
     if not isinstance(items_per_call, (int, np.integer)) or items_per_call < 1:
       raise ValueError(f"items_per_call must be an int >= 1, got {items_per_call!r}")
     items_per_call = min(int(items_per_call), items_per_call_fit)
   else:
     items_per_call = items_per_call_fit
-  smem = min(items_per_call, num_seqs) * pages_per_seq + len(_ITEM_FIELDS) * items_per_call
-  return Tiling(block_q, rows, block_kv, block_kv // page_size, items_per_call, limit, needed,
-                smem)
+  return Tiling(block_q, rows, block_kv, pages_per_block, items_per_call, limit, needed,
+                items_per_call * per_item)
+
+
+def _slot_pages_per_item(pages_per_seq: int, pages_per_block: int) -> int:
+  """Entries of one item's slot_pages row: its kv steps times the page slots per step."""
+  return -(-pages_per_seq // pages_per_block) * pages_per_block
 
 
 def num_work_items(num_tokens: int, num_seqs: int, block_q: int) -> int:
@@ -269,8 +273,9 @@ def num_work_items(num_tokens: int, num_seqs: int, block_q: int) -> int:
 
 def _work_items(kv_lens, cu_q_lens, num_tokens, num_items, block_q, block_kv, page_size,
                 sliding_window):
-  """Per-item int32 tables [num_items] (see _ITEM_FIELDS), plus for every token its item
-  and row (token_item, token_row) and whether it belongs to a sequence (token_valid)."""
+  """Per-item int32 tables [num_items] (_ITEM_FIELDS, plus seq, first_page and last_page
+  for _slot_pages), plus for every token its item and row (token_item, token_row) and
+  whether it belongs to a sequence (token_valid)."""
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   num_seqs = q_lens.shape[0]
   blocks = (q_lens + block_q - 1) // block_q
@@ -280,9 +285,7 @@ def _work_items(kv_lens, cu_q_lens, num_tokens, num_items, block_q, block_kv, pa
   total = item_end[-1]
   valid = w < total
   seq = jnp.minimum(jnp.searchsorted(item_end, w, side="right"), num_seqs - 1)
-  # Empty items keep the last real item's sequence, so that they never claim a page
-  # table row of their own (see _chunk_page_tables).
-  seq = jnp.where(valid, seq, seq[jnp.maximum(total - 1, 0)]).astype(jnp.int32)
+  seq = seq.astype(jnp.int32)
   first_row = (w - item_begin[seq]) * block_q
   rows = jnp.where(valid, jnp.clip(q_lens[seq] - first_row, 0, block_q), 0)
   kv_len = kv_lens[seq]
@@ -312,22 +315,26 @@ def _work_items(kv_lens, cu_q_lens, num_tokens, num_items, block_q, block_kv, pa
   return items, token_first, token_item, token_row, token_valid
 
 
-def _chunk_page_tables(page_indices, seq, items_per_call, num_calls, num_pages):
-  """Per call, the page-table rows of the sequences its items touch, and each item's
-  row among them: ([num_calls, rows_per_call, P] int32, [num_items] int32)."""
-  num_seqs = page_indices.shape[0]
-  rows_per_call = min(items_per_call, num_seqs)
-  w = jnp.arange(seq.shape[0])
-  starts = (w % items_per_call == 0) | (seq != jnp.roll(seq, 1))   # a new sequence in the call
-  call = w // items_per_call
-  rank = jnp.cumsum(starts) - 1
-  rank = rank - rank[call * items_per_call]                        # restart at each call
-  rank = jnp.minimum(rank, rows_per_call - 1).astype(jnp.int32)
-  row_seq = jnp.zeros((num_calls, rows_per_call), jnp.int32).at[call, rank].set(seq)
+def _slot_pages(page_indices, items, pages_per_block: int, num_pages: int):
+  """The page id each page slot fetches at each kv step of each item (module docstring,
+  "Skipping"): int32 [num_items, steps * pages_per_block], entry t * pages_per_block + i
+  for slot i at step t. Empty items (all fields 0) fetch their sequence's first page."""
+  num_seqs, pages_per_seq = page_indices.shape
+  n = pages_per_block
+  steps = _slot_pages_per_item(pages_per_seq, n) // n
+  first_b, last_b, first_p, last_p = (items[f][:, None, None] for f in
+                                      ("first_block", "last_block", "first_page", "last_page"))
+  block = jnp.minimum(first_b + jnp.arange(steps)[None, :, None], last_b)
+  page = block * n + jnp.arange(n)[None, None, :]
+  # Past the item's last page: the page this slot fetched one step earlier (the same id,
+  # so no DMA), or the last page on the item's first step.
+  page = jnp.where((page > last_p) & (block > first_b), page - n, page)
+  page = jnp.clip(page, first_p, last_p).reshape(page.shape[0], -1)
+  seq = jnp.clip(items["seq"], 0, num_seqs - 1)[:, None]
   # Clamped: a page id outside the cache must never become an out-of-bounds DMA. (Used
   # entries are validated on the checked path; unused ones may hold anything.)
-  tables = jnp.clip(page_indices[row_seq], 0, num_pages - 1).astype(jnp.int32)
-  return tables, rank
+  ids = page_indices[seq, jnp.clip(page, 0, pages_per_seq - 1)]
+  return jnp.clip(ids, 0, num_pages - 1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -364,8 +371,8 @@ def _item(st: _Static, ref, item, field: str):
 
 
 def _kernel(*refs, st: _Static):
-  (seq_ref, rows_ref, q_pos_ref, kv_len_ref, first_block_ref, last_block_ref, _, _,
-   table_ref, scales_ref, q_ref, *refs) = refs
+  (rows_ref, q_pos_ref, kv_len_ref, first_block_ref, last_block_ref, slot_pages_ref,
+   scales_ref, q_ref, *refs) = refs
   if st.has_sinks:
     sinks_ref, *refs = refs
   n = st.pages_per_block
@@ -374,7 +381,7 @@ def _kernel(*refs, st: _Static):
   head_dim = acc_ref.shape[1]
   num_rows, num_kv_heads, ps = st.rows, st.num_kv_heads, st.page_size
   bkv = st.block_kv
-  del seq_ref, table_ref
+  del slot_pages_ref
 
   @pl.when(step == 0)
   def _init():
@@ -483,29 +490,20 @@ def _slice(h, size: int):
   return pl.ds(pl.multiple_of(h * size, size), size)
 
 
-def _call(items, table, scales, q_items, sink_rows, k_pages, v_pages, st: _Static):
-  """One pallas_call over `q_items` [Wc, Hkv * R, D] -> out [Wc, Hkv * R, D]."""
+def _call(items, slot_pages, scales, q_items, sink_rows, k_pages, v_pages, st: _Static):
+  """One pallas_call over `q_items` [Wc, Hkv * R, D] -> out [Wc, Hkv * R, D]; slot_pages
+  [Wc, steps * pages_per_block] from _slot_pages."""
   num_items, all_rows, head_dim = q_items.shape
   n, ps = st.pages_per_block, st.page_size
-  steps = -(-st.pages_per_seq // n)
+  steps = _slot_pages_per_item(st.pages_per_seq, n) // n
   # A page of every KV head as one 2-D block: [num_pages, Hkv * page_size, D] (free view).
   k_view = k_pages.reshape(k_pages.shape[0], st.num_kv_heads * ps, head_dim)
   v_view = v_pages.reshape(k_view.shape)
 
   def page_map(i):
-    def index_map(w, t, seq, rows, q_pos, kv_len, first_block, last_block, first_page,
-                  last_page, table, scales):
-      first_b, last_b = (_item(st, first_block, w, "first_block"),
-                         _item(st, last_block, w, "last_block"))
-      first_p, last_p = (_item(st, first_page, w, "first_page"),
-                         _item(st, last_page, w, "last_page"))
-      block = jnp.minimum(first_b + t, last_b)
-      page = block * n + i
-      # Past the item's last page: the page this slot fetched one step earlier (the same
-      # index, so no DMA), or the last page on the item's first step.
-      page = jnp.where((page > last_p) & (block > first_b), page - n, page)
-      page = jnp.clip(page, first_p, last_p)
-      return table[seq[w] * st.pages_per_seq + page], 0, 0
+    def index_map(w, t, *prefetched):
+      slot_pages = prefetched[len(_ITEM_FIELDS)]
+      return slot_pages[(w * steps + t) * n + i], 0, 0
     return index_map
 
   row_spec = pl.BlockSpec((None, all_rows, head_dim), lambda w, t, *_: (w, 0, 0))
@@ -534,7 +532,7 @@ def _call(items, table, scales, q_items, sink_rows, k_pages, v_pages, st: _Stati
           vmem_limit_bytes=st.vmem_limit_bytes),
       interpret=st.interpret,
       name=KERNEL_NAME,
-  )(*[items[f] for f in _ITEM_FIELDS], table.reshape(-1), scales, *operands)
+  )(*[items[f] for f in _ITEM_FIELDS], slot_pages.reshape(-1), scales, *operands)
 
 
 # ----------------------------------------------------------------------------- API
@@ -718,8 +716,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
   cu_q_lens = cu_q_lens.astype(jnp.int32)
   items, token_first, token_item, token_row, token_valid = _work_items(
       kv_lens, cu_q_lens, num_tokens, num_items_p, bq, t.block_kv, page_size, sliding_window)
-  tables, items["seq"] = _chunk_page_tables(page_indices, items["seq"], t.items_per_call,
-                                            num_calls, num_pages)
+  slot_pages = _slot_pages(page_indices, items, t.pages_per_block, num_pages)
+  items = {f: items[f] for f in _ITEM_FIELDS}
 
   # q -> [W, Hkv * R, D]: per KV head G * bq head-major rows, zero-padded to R; rows past
   # an item's tokens read a zero row.
@@ -743,15 +741,16 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     sink_rows = jnp.broadcast_to(per_row.reshape(-1, 1), (num_kv_heads * t.rows, _LANES))
 
   def call(chunk):
-    chunk_items, table, chunk_q = chunk
-    return _call(chunk_items, table, scales, chunk_q, sink_rows, k_pages, v_pages, st)
+    chunk_items, chunk_slot_pages, chunk_q = chunk
+    return _call(chunk_items, chunk_slot_pages, scales, chunk_q, sink_rows, k_pages, v_pages,
+                 st)
 
   if num_calls == 1:
-    out_items = call((items, tables[0], q_items))
-  else:   # one kernel, run once per chunk of items (each with its own page-table rows)
+    out_items = call((items, slot_pages, q_items))
+  else:   # one kernel, run once per chunk of items
     def split(a):
       return a.reshape((num_calls, t.items_per_call) + a.shape[1:])
-    out_items = lax.map(call, ({f: split(a) for f, a in items.items()}, tables,
+    out_items = lax.map(call, ({f: split(a) for f, a in items.items()}, split(slot_pages),
                                split(q_items)))
     out_items = out_items.reshape((num_items_p,) + out_items.shape[2:])
   # Back to tokens: [W, Hkv, G, bq, D] -> [W, bq, Hkv, G, D], one row per token.

@@ -404,6 +404,52 @@ def test_all_sequences_empty():
   assert out.shape == x["q"].shape and not out.any()
 
 
+@pytest.mark.parametrize("pages_per_block", [1, 3, 4])
+def test_slot_pages_fetch_each_needed_page_once(pages_per_block):
+  """The page ids the index maps are given (_slot_pages), judged by the fetch rule the
+  kernel relies on: at the step of block b, slot i holds page b * n + i of the item's
+  sequence whenever that page is in [first_page, last_page] (the body masks keys by that
+  position); no slot ever holds a page outside the item's range (so junk page-table
+  entries are never read); and, counting a DMA whenever a slot's page id changes from
+  one step to the next (as Pallas does), each needed page crosses HBM once, plus the
+  first step's slots outside the range (repeats of the first or last page)."""
+  rng = np.random.default_rng(pages_per_block)
+  n, pages_per_seq, num_seqs = pages_per_block, 10, 3
+  # Unique ids, so every id names one (sequence, page); junk past each row's used pages.
+  page_indices = rng.permutation(num_seqs * pages_per_seq).reshape(num_seqs, pages_per_seq)
+  rows = []
+  for seq in range(num_seqs):
+    for first_page in range(pages_per_seq):
+      for last_page in range(first_page, pages_per_seq):
+        rows.append((seq, first_page, last_page))
+  seq, first_page, last_page = (np.array(c, np.int32) for c in zip(*rows))
+  items = dict(seq=seq, first_page=first_page, last_page=last_page,
+               first_block=first_page // n, last_block=last_page // n)
+  slot_pages = np.asarray(pa._slot_pages(jnp.asarray(page_indices, jnp.int32),
+                                         {k: jnp.asarray(v) for k, v in items.items()}, n,
+                                         num_pages=page_indices.size))
+  steps = -(-pages_per_seq // n)
+  assert slot_pages.shape == (len(rows), steps * n)
+  where = {int(page_indices[s, j]): (s, j) for s in range(num_seqs)
+           for j in range(pages_per_seq)}
+  for w, (s, lo, hi) in enumerate(rows):
+    held = slot_pages[w].reshape(steps, n)
+    logical = np.vectorize(lambda i: where[int(i)][1])(held)
+    assert all(where[int(i)][0] == s for i in held.ravel()), (w, held)
+    assert ((logical >= lo) & (logical <= hi)).all(), (w, lo, hi, logical)
+    for t in range(hi // n - lo // n + 1):
+      block = lo // n + t
+      for i in range(n):
+        if lo <= block * n + i <= hi:
+          assert logical[t, i] == block * n + i, (w, t, i, logical)
+    fetched = [logical[0, i] for i in range(n)]
+    fetched += [logical[t, i] for t in range(1, steps) for i in range(n)
+                if held[t, i] != held[t - 1, i]]
+    assert sorted(set(fetched)) == list(range(lo, hi + 1)), (w, fetched)
+    in_first_block = min(hi, (lo // n) * n + n - 1) - lo + 1
+    assert len(fetched) == (hi - lo + 1) + n - in_first_block, (w, fetched)
+
+
 def test_xla_baseline_matches_reference():
   """The plain-XLA baseline has the same semantics (float and quantized caches)."""
   for kv_dtype in ("same", "int8"):
