@@ -38,7 +38,9 @@ What the estimator is shown (it reads every SMEM / scalar-prefetch value as 0):
     which the estimator mis-evaluates for any run-time value, so the length is made static
     (the kernel reads the case's context length as a constant: a static-length variant);
     page-table reads yield max(value, identity table).
-  * ragged_paged_attention: see `_rpa_row` (not rated: why is in the row).
+  * ragged_paged_attention: its loops run over SMEM values (num_seqs, cu_q_lens,
+    kv_lens), so they become static loops with the batch's trip counts (a static-length
+    variant, see `RaggedPagedAnchor`).
 
 All substitutions patch the kernel module's `pl` (its pallas_call) while tracing, in a
 subprocess (`--child`) that sets the profile flag for itself; nothing here sets
@@ -224,9 +226,10 @@ def _child_main(key: str, chip: str, trunc_json: str) -> None:
   import resource
   spec = _SPECS()[key]
   trunc = json.loads(trunc_json)
-  fn, specs = spec.build(trunc)
   start = time.time()
-  compiled = _compile(fn, specs, chip)
+  with lowering(spec, chip):
+    fn, specs = spec.build(trunc, chip)
+    compiled = _compile(fn, specs, chip)
   text = compiled.as_text()
   if os.environ.get("ANCHOR_STATIC_PROFILE", "1") == "1":
     cycles, count = _kernel_cycles(text)
@@ -234,6 +237,11 @@ def _child_main(key: str, chip: str, trunc_json: str) -> None:
     cycles, count = None, text.count('custom_call_target="tpu_custom_call"')
   tuning.print_row(dict(cycles=cycles, kernels=count, seconds=round(time.time() - start, 1),
                         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024))
+
+
+def lowering(spec, chip: str):
+  """The context an anchor is built and compiled in (most need none)."""
+  return spec.lowering(chip) if hasattr(spec, "lowering") else contextlib.nullcontext()
 
 
 def _row_base(spec) -> dict:
@@ -400,7 +408,7 @@ class GmmAnchor:
   def validate(self) -> None:
     self.closed_form.check()
 
-  def build(self, trunc):
+  def build(self, trunc, chip: str = "v6e"):
     (visits,) = trunc
     jax = _jax()
     import jax.numpy as jnp
@@ -568,7 +576,7 @@ class AttentionAnchor:
     np.testing.assert_array_equal(np.asarray(info.data_next)[0], want_next)
     assert info.mask_next is None and info.partial_mask_blocks is None
 
-  def build(self, trunc):
+  def build(self, trunc, chip: str = "v6e"):
     heads, rows = trunc
     jax = _jax()
     import jax.numpy as jnp
@@ -714,7 +722,7 @@ class PagedAnchor:
   def validate(self) -> None:
     pass
 
-  def build(self, trunc):
+  def build(self, trunc, chip: str = "v6e"):
     (batch,) = trunc
     jax = _jax()
     import jax.numpy as jnp
@@ -759,16 +767,162 @@ class PagedAnchor:
                 "memory bound: 4*B*Hq*L*D flops are tiny)")
 
 
-def _rpa_rate(case_name: str, chip: str) -> dict:
-  """ragged_paged_attention: not rated; the row says why."""
-  return dict(
-      compiled=False, estimated_cycles=None, hbm_bytes=None,
-      error=("not rated: its sequence loop is a lax.while_loop over num_seqs / cu_q_lens / "
-             "kv_lens in SMEM and its page count is pl.cdiv(kv_lens_ref[s], page_size) "
-             "(a run-time division the estimator mis-evaluates); making it visible needs a "
-             "static-length rewrite of both while loops, not done in this time box"),
-      method="none", note="jax ragged_paged_attention (fused K/V pages [pages, page, 2*Hkv, D])",
-      config=dict())
+@dataclasses.dataclass(frozen=True)
+class RaggedPagedAnchor:
+  """jax's ragged_paged_attention on the uniform decode batch, static-length variant.
+
+  The kernel walks the batch with two lax.while_loops whose conditions read SMEM
+  (num_seqs, cu_q_lens, kv_lens), which the estimator reads as 0: it would rate one
+  empty pass. Here both loops become fori_loops with the trip counts this batch has on
+  hardware (outer: the num_queries_per_block sequences of a full q block, one token
+  each; inner: ceil(context / (num_kv_pages_per_block * page_size)) kv blocks), and the
+  SMEM reads yield the batch's values (kv_lens: the context, cu_q_lens[i]: i, num_seqs:
+  the batch; page-table reads max(value, identity)). Rated at the full batch (with static
+  loops the grid is only (head blocks, q blocks)); past RPA_MAX_RATED_CONTEXT at two
+  shorter contexts, extrapolated linearly in kv blocks (the estimator's memory grows with
+  the loop iterations it walks: 32k context passed 21 GB)."""
+
+  context: int
+  num_kv_pages_per_block: int = 32
+  num_queries_per_block: int = 32
+
+  def vmem_limit_bytes(self, chip: str) -> int | None:
+    """The kernel's default (None) where it compiles (v6e); on v5e, whose default scoped
+    limit (16 MiB) cannot hold its double-buffered 16 MiB of K/V pages, 64 MiB."""
+    return 64 * 2**20 if chip == "v5e" else None
+
+  @property
+  def case(self):
+    return headline.PagedDecode(self.context)
+
+  @property
+  def key(self) -> str:
+    return f"rpa:{self.context}:{self.num_kv_pages_per_block}:{self.num_queries_per_block}"
+
+  @property
+  def implementation(self) -> str:
+    return (f"jax ragged_paged_attention (jax {_jax().__version__}, kv pages / queries per "
+            f"block {self.num_kv_pages_per_block} / {self.num_queries_per_block}, static-length "
+            f"variant)")
+
+  @property
+  def truncations(self):
+    c = self.case
+    if c.context <= RPA_MAX_RATED_CONTEXT:
+      return ([c.batch, c.context],)
+    return tuple([c.batch, ctx] for ctx in (RPA_MAX_RATED_CONTEXT // 2, RPA_MAX_RATED_CONTEXT))
+
+  @property
+  def method(self) -> str:
+    how = "static estimate at the full batch (static-length variant: loops with static trip counts)"
+    if self.case.context > RPA_MAX_RATED_CONTEXT:
+      how += (f", rated at contexts {RPA_MAX_RATED_CONTEXT // 2} and {RPA_MAX_RATED_CONTEXT} and "
+              f"extrapolated linearly in kv blocks to {self.case.context}")
+    return how
+
+  @property
+  def note(self) -> str:
+    return ("Static-length variant: its two while loops over SMEM values become fori loops "
+            "with this batch's trip counts, SMEM reads yield the batch's values. K/V fused in "
+            "its [pages, page, 2*Hkv, D] layout. Block sizes: jax's tuned table (v5e and "
+            "v6e) gives 32 queries and 32 kv pages at 2k context, used at both contexts; at "
+            "32k it gives 128 pages, which cannot fit: 64 pages already need 158 MiB of VMEM "
+            "with all 32/8 heads on one chip (compile at 4k context). 16 pages rate 1.4x "
+            "slower at 2k on v6e.")
+
+  def config(self) -> dict:
+    return dict(num_kv_pages_per_block=self.num_kv_pages_per_block,
+                num_queries_per_block=self.num_queries_per_block,
+                page_size=self.case.page_size,
+                vmem_limit_bytes="kernel default on v6e, 64 MiB on v5e")
+
+  def validate(self) -> None:
+    c = self.case
+    if c.batch % self.num_queries_per_block or c.context % c.page_size:
+      raise ValueError("the static trip counts assume full q blocks and whole pages")
+
+  def loop_counts(self, context: int | None = None) -> tuple[int, int]:
+    """(outer, inner) trip counts of the kernel's while loops on this batch (at `context`
+    tokens, default the case's)."""
+    c = self.case
+    context = c.context if context is None else context
+    return (self.num_queries_per_block,
+            -(-context // (self.num_kv_pages_per_block * c.page_size)))
+
+  def build(self, trunc, chip: str = "v6e"):
+    batch, context = trunc
+    jax = _jax()
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    vmem_limit_bytes = self.vmem_limit_bytes(chip)
+    K = _module("ragged_paged_attention.kernel")
+    c = self.case
+    pages_per_seq = context // c.page_size
+    counts, depth = self.loop_counts(context), [0]
+
+    def static_while_loop(cond, body, init):
+      del cond   # true for exactly counts[depth] iterations on this batch
+      n = counts[depth[0]]
+      depth[0] += 1
+      try:
+        return lax.fori_loop(0, n, lambda i, state: body(state), init)
+      finally:
+        depth[0] -= 1
+    lax_view = types.SimpleNamespace(**{n: getattr(lax, n) for n in dir(lax)
+                                        if not n.startswith("__")})
+    lax_view.while_loop = static_while_loop
+    forms = (("const", lambda s: np.int32(context)), lambda s, p: s * pages_per_seq + p,
+             ("const", lambda i: i), None, ("const", lambda i: np.int32(batch)))
+
+    def fn(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+      with visible_prefetch(K, forms), mock.patch.object(K, "lax", lax_view):
+        return K.ragged_paged_attention(
+            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+            sm_scale=c.head_dim ** -0.5, num_kv_pages_per_block=self.num_kv_pages_per_block,
+            num_queries_per_block=self.num_queries_per_block,
+            vmem_limit_bytes=vmem_limit_bytes)
+    S = jax.ShapeDtypeStruct
+    return fn, [S((batch, c.q_heads, c.head_dim), jnp.bfloat16),
+                S((batch * pages_per_seq, c.page_size, 2 * c.kv_heads, c.head_dim),
+                  jnp.bfloat16),
+                S((batch,), jnp.int32), S((batch, pages_per_seq), jnp.int32),
+                S((batch + 1,), jnp.int32), S((1,), jnp.int32)]
+
+  @contextlib.contextmanager
+  def lowering(self, chip: str):
+    """Around tracing and compiling: its lowering asks the local device for the TPU
+    generation (pl.cdiv of a traced value lowers through lax.sign, whose rule does), and
+    the host here is a CPU: answer for the target chip."""
+    from jax._src.pallas.mosaic import tpu_info
+    version = {"v5e": tpu_info.ChipVersion.TPU_V5E, "v6e": tpu_info.ChipVersion.TPU_V6E}[chip]
+    # jax 0.10: _get_tpu_info_impl; jax 0.12 names it get_tpu_info_for_chip.
+    for_chip = getattr(tpu_info, "get_tpu_info_for_chip", None) or tpu_info._get_tpu_info_impl
+    with mock.patch.object(tpu_info, "get_tpu_info", lambda: for_chip(version, 1)):
+      yield
+
+  def extrapolate(self, cycles: dict) -> float:
+    points = [(self.loop_counts(t[1])[1], cycles[json.dumps(t)]) for t in self.truncations]
+    if len(points) == 1:
+      return points[0][1]
+    (b0, c0), (b1, c1) = points
+    return c1 + (c1 - c0) / (b1 - b0) * (self.loop_counts()[1] - b1)
+
+  def hbm_bytes(self) -> int:
+    """Each sequence's K/V pages once (its blocks are whole: the context is a multiple of
+    the block); q read and o written once."""
+    c = self.case
+    blocks = self.loop_counts()[1]
+    kv = 2 * c.batch * c.kv_heads * blocks * self.num_kv_pages_per_block * c.page_size \
+        * c.head_dim * 2
+    return kv + 2 * c.batch * c.q_heads * c.head_dim * 2
+
+  def hand(self, chip) -> dict:
+    hbm_us = self.hbm_bytes() / chip.hbm_bytes_per_s * 1e6
+    return dict(hand_us=hbm_us, hand_count="k/v pages once at HBM bandwidth")
+
+
+RPA_MAX_RATED_CONTEXT = 4096
 
 
 # ----------------------------------------------------------------------------------------
@@ -785,7 +939,7 @@ def _specs_list():
     for block in (128, 512):
       out += [AttentionAnchor(seq, "flash", block), AttentionAnchor(seq, "splash", block)]
   for ctx in (2048, 32768):
-    out.append(PagedAnchor(ctx))
+    out += [PagedAnchor(ctx), RaggedPagedAnchor(ctx)]
   return out
 
 
@@ -795,13 +949,8 @@ def _SPECS():
 
 
 def anchors() -> list[Anchor]:
-  out = [Anchor(s.case.name, s.implementation, functools.partial(_rate, s))
-         for s in _specs_list()]
-  for ctx in (2048, 32768):
-    name = headline.PagedDecode(ctx).name
-    out.append(Anchor(name, f"jax ragged_paged_attention (jax {_jax().__version__})",
-                      functools.partial(_rpa_rate, name)))
-  return out
+  return [Anchor(s.case.name, s.implementation, functools.partial(_rate, s))
+          for s in _specs_list()]
 
 
 NO_ANCHOR = {

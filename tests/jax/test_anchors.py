@@ -4,6 +4,7 @@ profile compiles; the estimates themselves come from `python benchmarks/anchors.
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -118,13 +119,33 @@ def test_paged_hbm_counts_every_page_once():
                            + 2 * c.batch * c.q_heads * c.head_dim * 2 + 2 * c.batch * c.q_heads * 4)
 
 
+def test_ragged_paged_static_loops_and_bytes():
+  """The static-length variant's trip counts are the batch's (one sequence per outer
+  iteration over a full q block; whole kv blocks per sequence), and its bytes are each
+  page once."""
+  for ctx, inner in ((2048, 1), (32768, 16)):
+    a = anchors.RaggedPagedAnchor(ctx)
+    c = a.case
+    assert a.loop_counts() == (32, inner)
+    a.validate()
+    # Linear in kv blocks: a model a + b * blocks is extrapolated exactly.
+    model = {json.dumps(t): 5 + 7 * a.loop_counts(t[1])[1] for t in a.truncations}
+    assert a.extrapolate(model) == 5 + 7 * inner
+    assert a.hbm_bytes() == (2 * c.batch * c.kv_heads * c.context * c.head_dim * 2
+                             + 2 * c.batch * c.q_heads * c.head_dim * 2)
+  with pytest.raises(ValueError, match="full q blocks"):
+    anchors.RaggedPagedAnchor(2048, num_queries_per_block=48).validate()
+
+
 @pytest.mark.parametrize("key,trunc", [("gmm:512:down:default:128", [2]),
                                        ("attn:splash:4096:128", [1, 2]),
-                                       ("paged:2048:8", [1])])
+                                       ("paged:2048:8", [1]),
+                                       ("rpa:2048:32:32", [32, 2048])])
 def test_anchor_compiles_for_v6e(key, trunc):
   """The visible-metadata builds compile ahead of time for v6e (plain compile: no profile)."""
   pytest.importorskip("jax.experimental.topologies")
   spec = anchors._SPECS()[key]
-  fn, specs = spec.build(trunc)
-  compiled = anchors._compile(fn, specs, "v6e")
+  with anchors.lowering(spec, "v6e"):
+    fn, specs = spec.build(trunc, "v6e")
+    compiled = anchors._compile(fn, specs, "v6e")
   assert 'custom_call_target="tpu_custom_call"' in compiled.as_text()
