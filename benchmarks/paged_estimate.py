@@ -73,7 +73,8 @@ def kernel_program(case: PagedDecode, chip: str, batch: int, block_kv: int | Non
   cache = S((num_pages, case.kv_heads, case.page_size, case.head_dim),
             jnp.dtype(case.kv_dtype))
   specs = [*(S((batch,), jnp.int32) for _ in PA._ITEM_FIELDS),
-           S((batch * PA._slot_pages_per_item(pages_per_seq, t.pages_per_block),), jnp.int32),
+           S((batch * PA._kv_steps(pages_per_seq, t.pages_per_block) * t.pages_per_block,),
+             jnp.int32),
            S((2, case.kv_heads), jnp.float32),
            S((batch, case.kv_heads * t.rows, case.head_dim), jnp.dtype(case.q_dtype)), cache,
            cache]

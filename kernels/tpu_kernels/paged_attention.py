@@ -43,10 +43,10 @@ slot's page id is worked out in XLA beforehand (`_slot_pages`, below) and
 scalar-prefetched as slot_pages [items, steps * pages_per_block], so an index map is one
 SMEM read: `slot_pages[item, t * pages_per_block + i]`. (Index maps run for every slot
 at every step, twice; with the page lookup and the clamps below done in them instead,
-they were over half of libtpu's estimated cycles per step at 16 pages per step on v6e.) The body loops over the KV heads; online
-softmax over the steps, with f32 running max / sum (lane-replicated) and accumulator in
-VMEM. Every block is 2-D (libtpu's static estimator rates kernels with 3-D blocks at 0
-cycles).
+they were over half of libtpu's estimated cycles per step at 16 pages per step on v6e.)
+The body loops over the KV heads; online softmax over the steps, with f32 running max /
+sum (lane-replicated) and accumulator in VMEM. Every block is 2-D (libtpu's static
+estimator rates kernels with 3-D blocks at 0 cycles).
 
 Skipping. Each item needs only the keys from its first query's window start (0 without
 a window) to its last query's position. Steps past that range repeat the last block's
@@ -241,7 +241,7 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
                        f"smaller block_q or block_kv")
   words = vmem.smem_budget_words(chip_)
   pages_per_block = block_kv // page_size
-  per_item = _slot_pages_per_item(pages_per_seq, pages_per_block) + len(_ITEM_FIELDS)
+  per_item = _kv_steps(pages_per_seq, pages_per_block) * pages_per_block + len(_ITEM_FIELDS)
   items = num_work_items(num_tokens, num_seqs, block_q)
   items_per_call_fit = min(items, words // per_item)
   if items_per_call_fit < 1:
@@ -258,9 +258,9 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
                 items_per_call * per_item)
 
 
-def _slot_pages_per_item(pages_per_seq: int, pages_per_block: int) -> int:
-  """Entries of one item's slot_pages row: its kv steps times the page slots per step."""
-  return -(-pages_per_seq // pages_per_block) * pages_per_block
+def _kv_steps(pages_per_seq: int, pages_per_block: int) -> int:
+  """Kv steps of the grid: enough blocks of pages_per_block pages for the longest row."""
+  return -(-pages_per_seq // pages_per_block)
 
 
 def num_work_items(num_tokens: int, num_seqs: int, block_q: int) -> int:
@@ -321,7 +321,7 @@ def _slot_pages(page_indices, items, pages_per_block: int, num_pages: int):
   for slot i at step t. Empty items (all fields 0) fetch their sequence's first page."""
   num_seqs, pages_per_seq = page_indices.shape
   n = pages_per_block
-  steps = _slot_pages_per_item(pages_per_seq, n) // n
+  steps = _kv_steps(pages_per_seq, n)
   first_b, last_b, first_p, last_p = (items[f][:, None, None] for f in
                                       ("first_block", "last_block", "first_page", "last_page"))
   block = jnp.minimum(first_b + jnp.arange(steps)[None, :, None], last_b)
@@ -495,7 +495,7 @@ def _call(items, slot_pages, scales, q_items, sink_rows, k_pages, v_pages, st: _
   [Wc, steps * pages_per_block] from _slot_pages."""
   num_items, all_rows, head_dim = q_items.shape
   n, ps = st.pages_per_block, st.page_size
-  steps = _slot_pages_per_item(st.pages_per_seq, n) // n
+  steps = _kv_steps(st.pages_per_seq, n)
   # A page of every KV head as one 2-D block: [num_pages, Hkv * page_size, D] (free view).
   k_view = k_pages.reshape(k_pages.shape[0], st.num_kv_heads * ps, head_dim)
   v_view = v_pages.reshape(k_view.shape)
