@@ -1,4 +1,4 @@
-"""Anchors: jax's own Pallas TPU kernels, rated by the same static estimator as ours.
+"""Anchors: jax's and tokamax's Pallas TPU kernels, rated by the same static estimator as ours.
 
     python benchmarks/anchors.py [--chips v5e v6e] [--cases SUBSTR] [--out FILE]
 
@@ -23,7 +23,13 @@ Anchors (jax's own kernels, `jax.experimental.pallas.ops.tpu`, nothing copied):
   * paged decode: `paged_attention` (k / v pages [Hkv, pages, page, D], its default
     inline_seq_dim=True) and `ragged_paged_attention` (fused K/V pages).
   * RMSNorm: jax ships no Pallas RMSNorm; there is no anchor (estimate.py rates the XLA
-    jnp version).
+    jnp version). tokamax has none for TPU either (its normalization is Triton or XLA).
+
+tokamax 0.0.12 (`TokamaxGmmAnchor`, `TokamaxAttentionAnchor`): its `ragged_dot` (megablox
+run through one emit_pipeline kernel) and its `dot_product_attention` (its splash fork,
+compact causal grid), each at the config tokamax picks for the case and at a larger tiling.
+tokamax needs packages outside the main lock, so those children run in `.venv-tokamax`
+(requirements-tokamax.txt: the same jax 0.10.2 and libtpu 0.0.42.1).
 
 What the estimator is shown (it reads every SMEM / scalar-prefetch value as 0):
 
@@ -41,6 +47,10 @@ What the estimator is shown (it reads every SMEM / scalar-prefetch value as 0):
   * ragged_paged_attention: its loops run over SMEM values (num_seqs, cu_q_lens,
     kv_lens), so they become static loops with the batch's trip counts (a static-length
     variant, see `RaggedPagedAnchor`).
+  * tokamax gmm: as megablox's, through its emit_pipeline call (the active-tile count
+    becomes a static grid size).
+  * tokamax attention: its six SMEM block lists become closed forms of the causal list
+    (see `TokamaxAttentionAnchor`).
 
 All substitutions patch the kernel module's `pl` (its pallas_call) while tracing, in a
 subprocess (`--child`) that sets the profile flag for itself; nothing here sets
@@ -135,12 +145,11 @@ class Visible:
     return jnp.maximum(self.ref[idx].astype(jnp.int32), jnp.asarray(want, jnp.int32))
 
 
-@contextlib.contextmanager
-def visible_prefetch(module, closed_forms, grid=None):
-  """While active, `module.pl.pallas_call` wraps the scalar-prefetch refs (a pytree matching
-  the first num_scalar_prefetch operands; a leaf is None (untouched), a function
-  (max(value, f(idx))) or ("const", f)) in the kernel body and in every index map.
-  `grid`, if given, replaces the grid (e.g. a static visit count)."""
+def _visible_grid_spec(kernel, grid_spec, closed_forms, grid=None):
+  """(kernel, grid_spec) whose scalar-prefetch refs (a pytree matching the first
+  num_scalar_prefetch operands; a leaf is None (untouched), a function (max(value, f(idx)))
+  or ("const", f)) are wrapped in the kernel body and in every index map. `grid`, if given,
+  replaces the grid (e.g. a static visit count)."""
   jax = _jax()
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import tpu as pltpu
@@ -156,36 +165,59 @@ def visible_prefetch(module, closed_forms, grid=None):
                          or isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str))
             if f is not None else r for r, f in zip(prefetch, closed_forms)]
 
+  nsp = grid_spec.num_scalar_prefetch
+  assert nsp == len(closed_forms), (nsp, len(closed_forms))
+  new_grid = tuple(grid) if grid is not None else tuple(grid_spec.grid)
+  n_grid = len(new_grid)
+
+  def new_spec(spec):
+    if not isinstance(spec, pl.BlockSpec) or spec.index_map is None:
+      return spec
+    index_map = spec.index_map
+
+    def visible_map(*a):
+      return index_map(*a[:n_grid], *wrap(a[n_grid:n_grid + nsp]), *a[n_grid + nsp:])
+    return dataclasses.replace(spec, index_map=visible_map)
+
+  is_spec = lambda x: isinstance(x, pl.BlockSpec)
+  in_specs = jax.tree.map(new_spec, grid_spec.in_specs, is_leaf=is_spec)
+  out_specs = jax.tree.map(new_spec, grid_spec.out_specs, is_leaf=is_spec)
+
+  def visible_kernel(*refs, **kw):
+    return kernel(*wrap(refs[:nsp]), *refs[nsp:], **kw)
+  functools.update_wrapper(visible_kernel, getattr(kernel, "func", kernel))
+  spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=nsp, grid=new_grid,
+                                      in_specs=in_specs, out_specs=out_specs,
+                                      scratch_shapes=grid_spec.scratch_shapes)
+  return visible_kernel, spec
+
+
+@contextlib.contextmanager
+def visible_prefetch(module, closed_forms, grid=None):
+  """While active, `module.pl.pallas_call` sees its scalar prefetch through
+  `_visible_grid_spec(..., closed_forms, grid)`."""
+  from jax.experimental import pallas as pl
+
   def pallas_call(kernel, *args, grid_spec=None, **kwargs):
-    nsp = grid_spec.num_scalar_prefetch
-    assert nsp == len(closed_forms), (nsp, len(closed_forms))
-    new_grid = tuple(grid) if grid is not None else tuple(grid_spec.grid)
-    n_grid = len(new_grid)
-
-    def new_spec(spec):
-      if not isinstance(spec, pl.BlockSpec) or spec.index_map is None:
-        return spec
-      index_map = spec.index_map
-
-      def visible_map(*a):
-        return index_map(*a[:n_grid], *wrap(a[n_grid:n_grid + nsp]), *a[n_grid + nsp:])
-      return dataclasses.replace(spec, index_map=visible_map)
-
-    is_spec = lambda x: isinstance(x, pl.BlockSpec)
-    in_specs = jax.tree.map(new_spec, grid_spec.in_specs, is_leaf=is_spec)
-    out_specs = jax.tree.map(new_spec, grid_spec.out_specs, is_leaf=is_spec)
-
-    def visible_kernel(*refs, **kw):
-      return kernel(*wrap(refs[:nsp]), *refs[nsp:], **kw)
-    functools.update_wrapper(visible_kernel, getattr(kernel, "func", kernel))
-    spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=nsp, grid=new_grid,
-                                        in_specs=in_specs, out_specs=out_specs,
-                                        scratch_shapes=grid_spec.scratch_shapes)
-    return pl.pallas_call(visible_kernel, *args, grid_spec=spec, **kwargs)
+    kernel, grid_spec = _visible_grid_spec(kernel, grid_spec, closed_forms, grid)
+    return pl.pallas_call(kernel, *args, grid_spec=grid_spec, **kwargs)
 
   view = types.SimpleNamespace(**{n: getattr(pl, n) for n in dir(pl) if not n.startswith("__")})
   view.pallas_call = pallas_call
   with mock.patch.object(module, "pl", view):
+    yield
+
+
+@contextlib.contextmanager
+def target_chip(chip: str):
+  """Pallas asks the local device for the TPU generation while lowering some kernels
+  (`pl.cdiv` of a traced value lowers through lax.sign, whose rule does; emit_pipeline's
+  DMA tiling does); the host here is a CPU: answer for the target chip."""
+  from jax._src.pallas.mosaic import tpu_info
+  version = {"v5e": tpu_info.ChipVersion.TPU_V5E, "v6e": tpu_info.ChipVersion.TPU_V6E}[chip]
+  # jax 0.10: _get_tpu_info_impl; jax 0.12 names it get_tpu_info_for_chip.
+  for_chip = getattr(tpu_info, "get_tpu_info_for_chip", None) or tpu_info._get_tpu_info_impl
+  with mock.patch.object(tpu_info, "get_tpu_info", lambda: for_chip(version, 1)):
     yield
 
 
@@ -212,9 +244,12 @@ def _child(key: str, chip: str, trunc, profile: bool = True) -> dict:
   subprocess (the estimator may abort the process). Returns {cycles, kernels, seconds,
   peak_rss_mb}."""
   start = time.time()
+  python = getattr(_SPECS()[key], "python", None)
+  if python is not None and not Path(python).exists():
+    raise RuntimeError(f"{python} is missing: scripts/setup.sh makes it")
   rows, error = tuning.run_child(
       __file__, ["--child", key, chip, json.dumps(trunc)], timeout=CHILD_TIMEOUT_S,
-      env=tuning.child_env(ANCHOR_STATIC_PROFILE="1" if profile else "0"))
+      env=tuning.child_env(ANCHOR_STATIC_PROFILE="1" if profile else "0"), python=python)
   if error:
     raise RuntimeError(f"child {error} ({key} {chip} {trunc})")
   out = rows[-1]
@@ -327,16 +362,17 @@ class GmmClosedForm:
   def m_tile_id(self, v):
     return (v * self.rows) >> _log2(self.tm) if self.rows <= self.tm else v
 
-  def check(self) -> None:
-    """Equals megablox's make_group_metadata with concrete balanced group sizes."""
+  def check(self, make_group_metadata=None) -> None:
+    """Equals megablox's make_group_metadata (or the given one, of the same signature) with
+    concrete balanced group sizes."""
     import numpy as np
     jax = _jax()
     import jax.numpy as jnp
-    G = _module("megablox.gmm")
+    make_group_metadata = make_group_metadata or _module("megablox.gmm").make_group_metadata
     assert self.rows * self.groups == self.m
     _log2(self.rows), _log2(self.tm)
     sizes = jnp.full((self.groups,), self.rows, jnp.int32)
-    (offsets, gids, mtiles), num = jax.jit(lambda s: G.make_group_metadata(
+    (offsets, gids, mtiles), num = jax.jit(lambda s: make_group_metadata(
         group_sizes=s, m=self.m, tm=self.tm, start_group=jnp.int32(0),
         num_nonzero_groups=self.groups, visit_empty_groups=False))(sizes)
     v, g = np.arange(self.num_tiles), np.arange(self.groups + 1)
@@ -456,6 +492,102 @@ class GmmAnchor:
     return dict(hand_mxu_flops=mxu_flops, hand_us=hand_us,
                 hand_count=f"{cf.num_tiles} tiles x 2*{tm}*{c.k}*{c.n_weight} flops at peak "
                            f"vs replayed bytes at HBM bandwidth")
+
+
+# ----------------------------------------------------------------------------------------
+# tokamax ragged_dot (its Pallas Mosaic TPU megablox), in its own environment
+
+
+TOKAMAX_VERSION = "0.0.12"                    # requirements-tokamax.txt pins it
+TOKAMAX_PYTHON = ROOT / ".venv-tokamax" / "bin" / "python"
+
+
+@dataclasses.dataclass(frozen=True)
+class TokamaxGmmAnchor(GmmAnchor):
+  """tokamax's `ragged_dot` on TPU: `pallas_mosaic_tpu_kernel.gmm`, megablox's algorithm
+  run as one kernel whose body is an `emit_pipeline` over (n tiles, active m tiles, k
+  tiles), the active-tile count read from SMEM. Rated in `.venv-tokamax` (tokamax needs
+  packages outside the main lock) on the same jax and libtpu as everything else.
+
+  tiling_name "heuristic" is what `tokamax.ragged_dot` picks for these shapes: its
+  `Config()` default, (128, 128, 128) with double-buffered lhs, since none of the cases is
+  in its tuned table (checked in the child)."""
+
+  python = TOKAMAX_PYTHON
+
+  @property
+  def key(self) -> str:
+    return f"tokamax-gmm:{self.m}:{self.part}:{self.tiling_name}:{self.groups}"
+
+  @property
+  def tiling(self) -> tuple[int, int, int]:
+    if self.tiling_name == "heuristic":
+      return (128, 128, 128)
+    return GmmAnchor(self.m, self.part, self.tiling_name, self.groups).tiling
+
+  @property
+  def implementation(self) -> str:
+    tm, tk, tn = self.tiling
+    label = "heuristic config" if self.tiling_name == "heuristic" else "tiling"
+    return (f"tokamax ragged_dot mosaic_tpu (tokamax {TOKAMAX_VERSION}, jax "
+            f"{_jax().__version__}, {label} {tm}x{tk}x{tn})")
+
+  @property
+  def method(self) -> str:
+    return super().method.replace("gmm kernel", "tokamax gmm kernel").replace(
+        "static grid", "static pipeline grid")
+
+  @property
+  def note(self) -> str:
+    return super().note.replace("gmm's [G, k, n] layout", "tokamax's [G, k, n] layout").replace(
+        "not fused in gmm", "not fused in tokamax's ragged_dot (its `activation` is ungated)") + (
+        " On v6e the estimator rates this kernel 0 cycles whenever tk or tn exceeds 128 "
+        "(seen at 128x256x128, 128x128x256, 256x256x256, 512x768x1024; 512x128x128 and "
+        "1024x128x128 rate normally, and every tiling rates on v5e).")
+
+  def validate(self) -> None:
+    """Checked in the child, where tokamax imports (`build`)."""
+
+  def build(self, trunc, chip: str = "v6e"):
+    (visits,) = trunc
+    jax = _jax()
+    import jax.numpy as jnp
+    import tokamax
+    from tokamax._src import mosaic_tpu as common
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as tpu_op
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu_kernel as B
+    assert tokamax.__version__ == TOKAMAX_VERSION, tokamax.__version__
+    c, cf = self.case, self.closed_form
+    m, k, n = self.m, c.k, c.n_weight
+    if self.tiling_name == "heuristic":
+      assert (m, k, n, self.groups, False) not in tpu_op.GMM_TILING_TUNED_LUT
+      default = tpu_op.Config()
+      assert (default.tile_m, default.tile_k, default.tile_n,
+              default.input_buffer_count) == (*self.tiling, 2), default
+    cf.check(B.make_group_metadata)
+    num_meta = m // self.tiling[0] + self.groups - 1
+    forms = ((cf.group_offset, cf.group_id, cf.m_tile_id), None)
+    buffered_call = common.custom_buffered_pallas_call
+
+    def visible_buffered_call(kernel, out_shape, grid_spec, compiler_params, **kw):
+      kernel, grid_spec = _visible_grid_spec(kernel, grid_spec, forms)
+      return buffered_call(kernel, out_shape, grid_spec, compiler_params, **kw)
+
+    def fn(lhs, rhs, offsets, gids, mtiles):
+      metadata = lambda **kw: ((offsets, gids, mtiles), visits)
+      with mock.patch.object(common, "custom_buffered_pallas_call", visible_buffered_call), \
+          mock.patch.object(B, "make_group_metadata", metadata):
+        return B.gmm(lhs, rhs, jnp.zeros((self.groups,), jnp.int32),
+                     precision=(jax.lax.Precision.DEFAULT,) * 2, out_dtype=jnp.bfloat16,
+                     tiling=self.tiling, input_buffer_count=2)
+
+    S = jax.ShapeDtypeStruct
+    return fn, [S((m, k), jnp.bfloat16), S((self.groups, k, n), jnp.bfloat16),
+                S((self.groups + 1,), jnp.int32), S((num_meta,), jnp.int32),
+                S((num_meta,), jnp.int32)]
+
+  def lowering(self, chip: str):
+    return target_chip(chip)   # emit_pipeline asks for the TPU generation
 
 
 # ----------------------------------------------------------------------------------------
@@ -674,6 +806,192 @@ class AttentionAnchor:
 
 
 # ----------------------------------------------------------------------------------------
+# tokamax attention (its splash fork, compact causal grid), in its own environment
+
+
+TOKAMAX_ROWS = (2, 4, 8)        # q-block rows of the truncated grids (2 heads each)
+TOKAMAX_ROW_COMPARES = 7        # every truncation's row closed form does this many compares
+
+
+@dataclasses.dataclass(frozen=True)
+class TokamaxAttentionAnchor:
+  """tokamax's `dot_product_attention` on TPU (implementation "mosaic"): its fork of splash
+  attention, called as tokamax calls it, with its heuristic config (block_q / block_kv /
+  block_kv_compute 128, head-dim-minor layouts, its experimental LLO scheduler, base-2 exp),
+  and the same config with blocks of 512 (what its autotuner would reach for).
+  Unlike jax's splash its grid is (heads, active blocks): a causal mask visits only the
+  blocks on or below the diagonal, listed in six SMEM arrays (active_rows, active_cols,
+  mask_next (None for causal), bounds_start, bounds_end, block_mask).
+
+  The estimator reads SMEM as 0, so every read yields a closed form of the causal list
+  instead ("const": no SMEM load; checked against tokamax's own process_mask in the
+  child): row(g) = #{t : g >= t(t+1)/2} over TOKAMAX_ROW_COMPARES thresholds (unused ones
+  unreachable, so every truncation does the same scalar work), col(g) = g - row(row+1)/2,
+  bounds_start = col == 0, bounds_end = col == row, block_mask = 1 on the diagonal (masked)
+  else 2. That scalar work is not in tokamax's kernel: 4 more compares cost 16 cycles a grid
+  step (S=4096, 2 heads, 4 rows, v6e: 18,399 -> 18,719 cycles over 20 steps), so tokamax
+  may be rated up to ~3% slow."""
+
+  seq: int
+  block: int = 128
+
+  python = TOKAMAX_PYTHON
+
+  @property
+  def case(self):
+    return headline.Attention(self.seq)
+
+  @property
+  def key(self) -> str:
+    return f"tokamax-attn:{self.seq}:{self.block}"
+
+  @property
+  def implementation(self) -> str:
+    b = self.block
+    config = "heuristic config" if b == 128 else f"heuristic config with blocks {b}/{b}/{b}"
+    return (f"tokamax dot_product_attention mosaic_tpu (tokamax {TOKAMAX_VERSION}, jax "
+            f"{_jax().__version__}, {config})")
+
+  @property
+  def nq(self) -> int:
+    return self.seq // self.block
+
+  truncations = tuple([2, rows] for rows in TOKAMAX_ROWS)
+
+  @property
+  def method(self) -> str:
+    return ("static estimate of 2 heads at the first 2, 4 and 8 q-block rows (its compact grid "
+            "of on-or-below-diagonal blocks), fitted as a + b*rows + c*blocks, extrapolated to "
+            f"{self.nq} rows, times 16 for 32 heads; SMEM reads answered by closed forms of the "
+            "causal block list (their scalar work may rate it up to ~3% slow)")
+
+  @property
+  def note(self) -> str:
+    return ("tokamax's splash fork with 8 kv heads (GQA by its h // 4 index map), called as "
+            "tokamax's op calls it (q [H, S, D], 1/sqrt(D) folded into q by the caller: not "
+            "rated; transposes from [B, S, H, D] not counted). On v6e the estimator aborts on "
+            "its base-2 exp (the bf16 q * log2(e) multiply: 'Expected vector-bf16packed, got "
+            "vector-int32'; plain AOT compile succeeds), so v6e rates use_base2_exp=False "
+            "(exp instead of exp2 on the logits); v5e rates its config as is.")
+
+  def config(self) -> dict:
+    b = self.block
+    return dict(block_q=b, block_kv=b, block_kv_compute=b, layout="HEAD_DIM_MINOR",
+                kv_heads_in_kernel=8, use_experimental_scheduler=True,
+                use_base2_exp="True (v5e) / False (v6e, see note)")
+
+  # The causal block list (one head), as functions of the grid index g (jnp or int):
+  def row(self, g):
+    import jax.numpy as jnp
+    thresholds = [t * (t + 1) // 2 for t in range(1, TOKAMAX_ROW_COMPARES + 1)]
+    if isinstance(g, int):
+      return sum(g >= t for t in thresholds)
+    i = jnp.int32(0)
+    for t in thresholds:
+      i = i + (g >= t).astype(jnp.int32)
+    return i
+
+  def col(self, g):
+    i = self.row(g)
+    return g - ((i * (i + 1)) >> 1)
+
+  def forms(self):
+    import jax.numpy as jnp
+    on_diagonal = lambda g: self.col(g) == self.row(g)
+    return (("const", self.row), ("const", self.col), None,
+            ("const", lambda g: (self.col(g) == 0).astype(jnp.int32)),
+            ("const", lambda g: on_diagonal(g).astype(jnp.int32)),
+            ("const", lambda g: jnp.where(on_diagonal(g), 1, 2)))
+
+  def validate(self) -> None:
+    """Checked in the child, where tokamax imports (`build`)."""
+
+  def _check_forms(self, MI, M) -> None:
+    import numpy as np
+    rows = max(TOKAMAX_ROWS)
+    assert rows - 1 <= TOKAMAX_ROW_COMPARES
+    info, _ = MI.process_mask(M.CausalMask((rows * self.block, self.seq)),
+                              (self.block, self.block))
+    start, end = MI.find_bounds(np.asarray(info.active_rows))
+    g = range(rows * (rows + 1) // 2)
+    assert int(info.num_active_blocks[0]) == len(g)
+    assert info.mask_next is None and info.partial_mask_blocks is None
+    want = dict(active_rows=[self.row(x) for x in g], active_cols=[self.col(x) for x in g],
+                block_mask=[1 if self.col(x) == self.row(x) else 2 for x in g])
+    for name, values in want.items():
+      np.testing.assert_array_equal(np.asarray(getattr(info, name)), values, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(start), [int(self.col(x) == 0) for x in g])
+    np.testing.assert_array_equal(np.asarray(end), [int(self.col(x) == self.row(x)) for x in g])
+
+  def build(self, trunc, chip: str = "v6e"):
+    heads, rows = trunc
+    jax = _jax()
+    import jax.numpy as jnp
+    import tokamax
+    from tokamax._src.ops.attention import pallas_mosaic_tpu as A
+    from tokamax._src.ops.experimental.tpu.splash_attention import (
+        splash_attention_kernel as K, splash_attention_mask as M,
+        splash_attention_mask_info as MI)
+    assert tokamax.__version__ == TOKAMAX_VERSION, tokamax.__version__
+    assert rows <= max(TOKAMAX_ROWS)
+    self._check_forms(MI, M)
+    c, b = self.case, self.block
+    config = dataclasses.asdict(A.PallasMosaicTpuFlashAttention()._get_heuristics_config(None))
+    assert (config["block_q"], config["block_kv"], config["block_kv_compute"]) == (128,) * 3
+    config.update(block_q=b, block_kv=b, block_kv_compute=b)
+    if chip == "v6e":
+      config["use_base2_exp"] = False     # see `note`
+    splash_config = dataclasses.replace(K.SplashConfig.get_default(), attn_logits_soft_cap=None,
+                                        **config)
+    sq = rows * b
+    kernel = K.make_splash_mha(M.CausalMask((sq, self.seq)), config=splash_config,
+                               save_residuals=False, q_seq_shards=1)
+    active = rows * (rows + 1) // 2
+
+    def fn(q, k, v):
+      with visible_prefetch(K, self.forms(), grid=(heads, active)):
+        return kernel(q, k, v)
+    S = jax.ShapeDtypeStruct
+    kv_heads = max(1, heads * c.kv_heads // c.q_heads)
+    return fn, [S((heads, sq, c.head_dim), jnp.bfloat16),
+                S((kv_heads, self.seq, c.head_dim), jnp.bfloat16),
+                S((kv_heads, self.seq, c.head_dim), jnp.bfloat16)]
+
+  def extrapolate(self, cycles: dict) -> float:
+    """Solve a + b*rows + c*blocks for the three truncations; all rows, times 16 heads."""
+    import numpy as np
+    pts = [json.loads(t)[1] for t in cycles]
+    A = np.array([[1.0, r, r * (r + 1) / 2] for r in pts])
+    y = np.array([cycles[json.dumps([2, r])] for r in pts], dtype=float)
+    coef = np.linalg.solve(A, y)
+    return self.case.q_heads / 2 * float(coef @ [1.0, self.nq, self.nq * (self.nq + 1) / 2])
+
+  def hbm_bytes(self) -> int:
+    """Replay of one head's compact grid (q, k, v, out and its q_sequence block, a
+    [bq, 128] int32 copy of the query positions, change with the row / column), times the
+    32 query heads (each restarts its kv walk)."""
+    b, d = self.block, self.case.head_dim
+    blk = b * d * 2
+    steps = ((i, j) for i in range(self.nq) for j in range(i + 1))
+    per_head = replay(steps, [("q", lambda i, j: i, blk), ("k", lambda i, j: j, blk),
+                              ("v", lambda i, j: j, blk), ("o", lambda i, j: i, blk),
+                              ("q_sequence", lambda i, j: i, b * 128 * 4)])
+    return self.case.q_heads * per_head
+
+  def hand(self, chip) -> dict:
+    c = self.case
+    run = self.nq * (self.nq + 1) // 2
+    mxu = c.q_heads * run * 4 * self.block * self.block * c.head_dim
+    hand_us = max(mxu / chip.bf16_flops_per_s, self.hbm_bytes() / chip.hbm_bytes_per_s) * 1e6
+    return dict(hand_mxu_flops=mxu, hand_us=hand_us,
+                hand_count=f"32 heads x {run} diagonal-or-below {self.block}^2 blocks x "
+                           f"4*{self.block}^2*128 flops at bf16 peak")
+
+  def lowering(self, chip: str):
+    return target_chip(chip)
+
+
+# ----------------------------------------------------------------------------------------
 # paged attention (jax)
 
 
@@ -889,17 +1207,9 @@ class RaggedPagedAnchor:
                 S((batch,), jnp.int32), S((batch, pages_per_seq), jnp.int32),
                 S((batch + 1,), jnp.int32), S((1,), jnp.int32)]
 
-  @contextlib.contextmanager
   def lowering(self, chip: str):
-    """Around tracing and compiling: its lowering asks the local device for the TPU
-    generation (pl.cdiv of a traced value lowers through lax.sign, whose rule does), and
-    the host here is a CPU: answer for the target chip."""
-    from jax._src.pallas.mosaic import tpu_info
-    version = {"v5e": tpu_info.ChipVersion.TPU_V5E, "v6e": tpu_info.ChipVersion.TPU_V6E}[chip]
-    # jax 0.10: _get_tpu_info_impl; jax 0.12 names it get_tpu_info_for_chip.
-    for_chip = getattr(tpu_info, "get_tpu_info_for_chip", None) or tpu_info._get_tpu_info_impl
-    with mock.patch.object(tpu_info, "get_tpu_info", lambda: for_chip(version, 1)):
-      yield
+    """Around tracing and compiling (see `target_chip`)."""
+    return target_chip(chip)
 
   def extrapolate(self, cycles: dict) -> float:
     points = [(self.loop_counts(t[1])[1], cycles[json.dumps(t)]) for t in self.truncations]
@@ -935,9 +1245,12 @@ def _specs_list():
     for part in ("gate_up+silu", "down"):
       for tiling in ("default", "512x1024x1024"):
         out.append(GmmAnchor(m, part, tiling))
+      for tiling in ("heuristic", "512x1024x1024"):
+        out.append(TokamaxGmmAnchor(m, part, tiling))
   for seq in (4096, 32768):
     for block in (128, 512):
       out += [AttentionAnchor(seq, "flash", block), AttentionAnchor(seq, "splash", block)]
+    out += [TokamaxAttentionAnchor(seq, 128), TokamaxAttentionAnchor(seq, 512)]
   for ctx in (2048, 32768):
     out += [PagedAnchor(ctx), RaggedPagedAnchor(ctx)]
   return out

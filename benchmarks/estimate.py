@@ -207,16 +207,22 @@ def ours_and_xla(case) -> list[Implementation]:
 QUICK = (headline.RmsNorm(8, 4096),)
 
 
-def implementations(quick: bool, cases=None, with_anchors: bool = True) -> list[Implementation]:
+def implementations(quick: bool, cases=None, with_anchors: bool = True,
+                    names=None) -> list[Implementation]:
+  """What a run rates: ours, XLA's and (unless quick or not with_anchors) the anchors, for
+  the cases whose name contains one of `cases` and, if `names` is given, only the
+  implementations whose name contains one of `names`."""
   chosen = QUICK if quick else headline.HEADLINE
   if cases:
     chosen = [c for c in chosen if any(s in c.name for s in cases)]
   out = [impl for case in chosen for impl in ours_and_xla(case)]
   if with_anchors and not quick:
     import anchors   # only here: its import is light, its ratings run in subprocesses
-    names = {c.name for c in chosen}
+    case_names = {c.name for c in chosen}
     out += [Implementation(a.case, a.implementation, ANCHOR, a.rate)
-            for a in anchors.anchors() if a.case in names]
+            for a in anchors.anchors() if a.case in case_names]
+  if names:
+    out = [impl for impl in out if any(n in impl.implementation for n in names)]
   return out
 
 
@@ -343,7 +349,8 @@ def targets(rows: list[dict]) -> list[str]:
 
 def _short(implementation: str) -> str:
   """A bar label: the implementation without its version parenthesis."""
-  return re.sub(r" \(jax [0-9.]+,? ?", " (", implementation).replace(" ()", "")
+  label = re.sub(r", jax [0-9.]+", "", implementation)
+  return re.sub(r" \(jax [0-9.]+,? ?", " (", label).replace(" ()", "")
 
 
 def chart(rows: list[dict], path: Path) -> None:
@@ -415,6 +422,9 @@ def main(argv=None) -> int:
   parser.add_argument("--quick", action="store_true", help="decode-size RMSNorm only (seconds)")
   parser.add_argument("--cases", nargs="+", help="only cases whose name contains one of these")
   parser.add_argument("--no-anchors", action="store_true", help="ours and XLA only")
+  parser.add_argument("--implementations", nargs="+",
+                      help="only implementations whose name contains one of these (with --merge: "
+                           "add or refresh some rows)")
   parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
   parser.add_argument("--merge", action="store_true",
                       help="keep the rows of --out's estimates.jsonl that this run does not "
@@ -425,7 +435,7 @@ def main(argv=None) -> int:
     _child_main(*args.child)
     return 0
   rows = []
-  for impl in implementations(args.quick, args.cases, not args.no_anchors):
+  for impl in implementations(args.quick, args.cases, not args.no_anchors, args.implementations):
     for chip in args.chips:
       rows.append(rate(impl, chip))
       print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

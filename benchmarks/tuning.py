@@ -61,11 +61,13 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def run_child(script: str | Path, args: Iterable[str], *, timeout: float | None = None,
-              env: dict[str, str] | None = None) -> tuple[list[dict], str | None]:
-  """Runs `python script args...`; returns (the rows it printed, None) or, if it failed or
-  printed no row, (the rows it printed, why)."""
+              env: dict[str, str] | None = None,
+              python: str | Path | None = None) -> tuple[list[dict], str | None]:
+  """Runs `python script args...` (this interpreter unless `python` names another); returns
+  (the rows it printed, None) or, if it failed or printed no row, (the rows it printed, why)."""
   try:
-    result = subprocess.run([sys.executable, str(script), *args], capture_output=True,
+    result = subprocess.run([str(python or sys.executable), str(script), *args],
+                            capture_output=True,
                             text=True, timeout=timeout, env=env or child_env())
   except subprocess.TimeoutExpired:
     return [], f"rating took over {timeout} s"

@@ -4,6 +4,8 @@
 #   .venv/          Python 3.11, requirements.txt (jax 0.10.2, libtpu 0.0.42.1, torch 2.13.0 CPU, ...)
 #   .venv-jax012/   Python 3.12, requirements-jax012.txt (jax 0.12.0.1, libtpu 0.0.50.1): the
 #                   stack TorchTPU needs; the JAX-only tests run there too (scripts/test.sh)
+#   .venv-tokamax/  Python 3.11, requirements-tokamax.txt (tokamax 0.0.12 on the main stack's jax and
+#                   libtpu): only benchmarks/anchors.py's tokamax children run there
 #
 # Only `pip install` reaches the network (the package index). Everything after it runs with
 # JAX_PLATFORMS=cpu and, where this user may, with the network cut (`unshare -n`).
@@ -31,6 +33,7 @@ make_venv() {  # make_venv DIR PYTHON_VERSION LOCKFILE
 
 make_venv .venv 3.11 requirements.txt
 make_venv .venv-jax012 3.12 requirements-jax012.txt
+make_venv .venv-tokamax 3.11 requirements-tokamax.txt
 
 echo "== main job (builds every kernel repo into dist/, then runs them)"
 without_libtpu_noise offline .venv/bin/python scripts/demo.py

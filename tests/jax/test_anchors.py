@@ -149,3 +149,52 @@ def test_anchor_compiles_for_v6e(key, trunc):
     fn, specs = spec.build(trunc, "v6e")
     compiled = anchors._compile(fn, specs, "v6e")
   assert 'custom_call_target="tpu_custom_call"' in compiled.as_text()
+
+
+def test_anchor_keys_are_unique():
+  assert len(anchors._SPECS()) == len(anchors._specs_list())
+
+
+def test_tokamax_causal_block_list_closed_forms():
+  """row / col enumerate the blocks on or below the diagonal row by row (tokamax's compact
+  causal grid; its own process_mask is compared in the child, see the compile test)."""
+  a = anchors.TokamaxAttentionAnchor(32768)
+  rows = max(anchors.TOKAMAX_ROWS)
+  want = [(i, j) for i in range(rows) for j in range(i + 1)]
+  assert [(a.row(g), a.col(g)) for g in range(len(want))] == want
+  traced = jax.jit(lambda g: (a.row(g), a.col(g)))
+  assert [tuple(int(x) for x in traced(jnp.int32(g))) for g in range(len(want))] == want
+
+
+def test_tokamax_attention_fit_and_bytes():
+  a = anchors.TokamaxAttentionAnchor(4096)
+  model = lambda rows: 7 + 11 * rows + 13 * rows * (rows + 1) // 2
+  cycles = {json.dumps(t): model(t[1]) for t in a.truncations}
+  assert a.extrapolate(cycles) == pytest.approx(16 * model(a.nq))
+  # per head: q and o once per row; k and v at every step but the second (row 1 starts
+  # at column 0, which row 0 left in place); the [bq, 128] int32 q_sequence once per row
+  c, nq, run = a.case, a.nq, a.nq * (a.nq + 1) // 2
+  block = a.block * c.head_dim * 2
+  per_head = block * (2 * nq + 2 * (run - 1)) + nq * a.block * 128 * 4
+  assert a.hbm_bytes() == c.q_heads * per_head
+
+
+def test_tokamax_gmm_heuristic_tiling_and_bytes_match_megablox():
+  """Same algorithm, same index maps: the same bytes as megablox at the same tiling."""
+  for m in (512, 8192):
+    t = anchors.TokamaxGmmAnchor(m, "down", "heuristic")
+    assert t.tiling == (128, 128, 128)
+    assert t.hbm_bytes() == anchors.GmmAnchor(m, "down", "default").hbm_bytes()
+    big = anchors.TokamaxGmmAnchor(m, "down", "512x1024x1024")
+    assert big.tiling == anchors.GmmAnchor(m, "down", "512x1024x1024").tiling
+
+
+@pytest.mark.parametrize("key,trunc", [("tokamax-gmm:512:down:heuristic:128", [2]),
+                                       ("tokamax-attn:4096:128", [2, 4])])
+def test_tokamax_anchor_compiles_in_its_environment(key, trunc):
+  """Built and compiled for v6e in .venv-tokamax (plain compile: no profile). The build
+  checks, against tokamax itself, its version, that the case gets its heuristic config,
+  and that the closed forms equal its own make_group_metadata / process_mask."""
+  assert anchors.TOKAMAX_PYTHON.exists(), "scripts/setup.sh makes .venv-tokamax"
+  out = anchors._child(key, "v6e", trunc, profile=False)
+  assert out["kernels"] == 1
