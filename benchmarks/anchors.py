@@ -213,11 +213,20 @@ def target_chip(chip: str):
   """Pallas asks the local device for the TPU generation while lowering some kernels
   (`pl.cdiv` of a traced value lowers through lax.sign, whose rule does; emit_pipeline's
   DMA tiling does); the host here is a CPU: answer for the target chip."""
+  import importlib
   from jax._src.pallas.mosaic import tpu_info
   version = {"v5e": tpu_info.ChipVersion.TPU_V5E, "v6e": tpu_info.ChipVersion.TPU_V6E}[chip]
   # jax 0.10: _get_tpu_info_impl; jax 0.12 names it get_tpu_info_for_chip.
   for_chip = getattr(tpu_info, "get_tpu_info_for_chip", None) or tpu_info._get_tpu_info_impl
-  with mock.patch.object(tpu_info, "get_tpu_info", lambda: for_chip(version, 1)):
+  modules = [tpu_info]
+  try:   # jax 0.12 also has jax._src.tpu_info, which pipeline tiling asks directly
+    modules.append(importlib.import_module("jax._src.tpu_info"))
+  except ImportError:
+    pass
+  with contextlib.ExitStack() as stack:
+    for module in modules:
+      stack.enter_context(mock.patch.object(module, "get_tpu_info",
+                                            lambda: for_chip(version, 1)))
     yield
 
 
@@ -498,22 +507,54 @@ class GmmAnchor:
 # tokamax ragged_dot (its Pallas Mosaic TPU megablox), in its own environment
 
 
-TOKAMAX_VERSION = "0.0.12"                    # requirements-tokamax.txt pins it
-TOKAMAX_PYTHON = ROOT / ".venv-tokamax" / "bin" / "python"
+# The tokamax each JAX stack rates, and the environment it runs in: the main stack (jax 0.10)
+# rates 0.0.12 (requirements-tokamax.txt); the TorchTPU stack (jax 0.12, anchors.py run from
+# .venv-jax012) rates 0.0.17, the release that binds to TorchTPU and needs jax >= 0.11.1
+# (requirements-tokamax-jax012.txt). Both pin the same jax and libtpu as their stack.
+TOKAMAX_ENVIRONMENTS = {"0.10": ("0.0.12", ".venv-tokamax"),
+                        "0.12": ("0.0.17", ".venv-tokamax-jax012")}
+
+
+def tokamax_environment() -> tuple[str, Path]:
+  """(tokamax version, its python) for this process's jax."""
+  stack = ".".join(_jax().__version__.split(".")[:2])
+  if stack not in TOKAMAX_ENVIRONMENTS:
+    raise RuntimeError(f"no tokamax environment for jax {_jax().__version__}")
+  version, venv = TOKAMAX_ENVIRONMENTS[stack]
+  return version, ROOT / venv / "bin" / "python"
+
+
+class _Tokamax:
+  """What the tokamax anchors share: the environment their children run in."""
+
+  @property
+  def python(self) -> Path:
+    return tokamax_environment()[1]
+
+  @property
+  def tokamax_version(self) -> str:
+    return tokamax_environment()[0]
+
+  def check_tokamax_version(self) -> None:
+    import tokamax
+    assert tokamax.__version__ == self.tokamax_version, (tokamax.__version__,
+                                                         self.tokamax_version)
+
+  def lowering(self, chip: str):
+    return target_chip(chip)   # emit_pipeline / its lowering ask for the TPU generation
 
 
 @dataclasses.dataclass(frozen=True)
-class TokamaxGmmAnchor(GmmAnchor):
+class TokamaxGmmAnchor(_Tokamax, GmmAnchor):
   """tokamax's `ragged_dot` on TPU: `pallas_mosaic_tpu_kernel.gmm`, megablox's algorithm
   run as one kernel whose body is an `emit_pipeline` over (n tiles, active m tiles, k
-  tiles), the active-tile count read from SMEM. Rated in `.venv-tokamax` (tokamax needs
+  tiles), the active-tile count read from SMEM. Rated in its own environment (tokamax needs
   packages outside the main lock) on the same jax and libtpu as everything else.
 
   tiling_name "heuristic" is what `tokamax.ragged_dot` picks for these shapes: its
-  `Config()` default, (128, 128, 128) with double-buffered lhs, since none of the cases is
-  in its tuned table (checked in the child)."""
-
-  python = TOKAMAX_PYTHON
+  `Config()` default, (128, 128, 128) with double-buffered lhs. 0.0.12: none of the cases
+  is in its tuned table (checked in the child); 0.0.17 has heuristics for TPU7x only and
+  returns `Config()` below it (`_get_heuristics_config`)."""
 
   @property
   def key(self) -> str:
@@ -529,7 +570,7 @@ class TokamaxGmmAnchor(GmmAnchor):
   def implementation(self) -> str:
     tm, tk, tn = self.tiling
     label = "heuristic config" if self.tiling_name == "heuristic" else "tiling"
-    return (f"tokamax ragged_dot mosaic_tpu (tokamax {TOKAMAX_VERSION}, jax "
+    return (f"tokamax ragged_dot mosaic_tpu (tokamax {self.tokamax_version}, jax "
             f"{_jax().__version__}, {label} {tm}x{tk}x{tn})")
 
   @property
@@ -552,15 +593,14 @@ class TokamaxGmmAnchor(GmmAnchor):
     (visits,) = trunc
     jax = _jax()
     import jax.numpy as jnp
-    import tokamax
     from tokamax._src import mosaic_tpu as common
     from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as tpu_op
     from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu_kernel as B
-    assert tokamax.__version__ == TOKAMAX_VERSION, tokamax.__version__
+    self.check_tokamax_version()
     c, cf = self.case, self.closed_form
     m, k, n = self.m, c.k, c.n_weight
-    if self.tiling_name == "heuristic":
-      assert (m, k, n, self.groups, False) not in tpu_op.GMM_TILING_TUNED_LUT
+    if self.tiling_name == "heuristic":   # (0.0.17 has no such table below TPU7x)
+      assert (m, k, n, self.groups, False) not in getattr(tpu_op, "GMM_TILING_TUNED_LUT", {})
       default = tpu_op.Config()
       assert (default.tile_m, default.tile_k, default.tile_n,
               default.input_buffer_count) == (*self.tiling, 2), default
@@ -585,9 +625,6 @@ class TokamaxGmmAnchor(GmmAnchor):
     return fn, [S((m, k), jnp.bfloat16), S((self.groups, k, n), jnp.bfloat16),
                 S((self.groups + 1,), jnp.int32), S((num_meta,), jnp.int32),
                 S((num_meta,), jnp.int32)]
-
-  def lowering(self, chip: str):
-    return target_chip(chip)   # emit_pipeline asks for the TPU generation
 
 
 # ----------------------------------------------------------------------------------------
@@ -814,7 +851,7 @@ TOKAMAX_ROW_COMPARES = 7        # every truncation's row closed form does this m
 
 
 @dataclasses.dataclass(frozen=True)
-class TokamaxAttentionAnchor:
+class TokamaxAttentionAnchor(_Tokamax):
   """tokamax's `dot_product_attention` on TPU (implementation "mosaic"): its fork of splash
   attention, called as tokamax calls it, with its heuristic config (block_q / block_kv /
   block_kv_compute 128, head-dim-minor layouts, its experimental LLO scheduler, base-2 exp),
@@ -835,8 +872,6 @@ class TokamaxAttentionAnchor:
   seq: int
   block: int = 128
 
-  python = TOKAMAX_PYTHON
-
   @property
   def case(self):
     return headline.Attention(self.seq)
@@ -849,7 +884,7 @@ class TokamaxAttentionAnchor:
   def implementation(self) -> str:
     b = self.block
     config = "heuristic config" if b == 128 else f"heuristic config with blocks {b}/{b}/{b}"
-    return (f"tokamax dot_product_attention mosaic_tpu (tokamax {TOKAMAX_VERSION}, jax "
+    return (f"tokamax dot_product_attention mosaic_tpu (tokamax {self.tokamax_version}, jax "
             f"{_jax().__version__}, {config})")
 
   @property
@@ -895,13 +930,15 @@ class TokamaxAttentionAnchor:
     i = self.row(g)
     return g - ((i * (i + 1)) >> 1)
 
-  def forms(self):
+  def forms(self, prng_key: bool = False):
+    """Closed forms of the scalar prefetch: active_rows, active_cols, mask_next (None),
+    bounds_start, bounds_end, block_mask (+ prng_key, None: 0.0.17's dropout key)."""
     import jax.numpy as jnp
     on_diagonal = lambda g: self.col(g) == self.row(g)
     return (("const", self.row), ("const", self.col), None,
             ("const", lambda g: (self.col(g) == 0).astype(jnp.int32)),
             ("const", lambda g: on_diagonal(g).astype(jnp.int32)),
-            ("const", lambda g: jnp.where(on_diagonal(g), 1, 2)))
+            ("const", lambda g: jnp.where(on_diagonal(g), 1, 2))) + ((None,) if prng_key else ())
 
   def validate(self) -> None:
     """Checked in the child, where tokamax imports (`build`)."""
@@ -926,13 +963,13 @@ class TokamaxAttentionAnchor:
   def build(self, trunc, chip: str = "v6e"):
     heads, rows = trunc
     jax = _jax()
+    import inspect
     import jax.numpy as jnp
-    import tokamax
     from tokamax._src.ops.attention import pallas_mosaic_tpu as A
     from tokamax._src.ops.experimental.tpu.splash_attention import (
         splash_attention_kernel as K, splash_attention_mask as M,
         splash_attention_mask_info as MI)
-    assert tokamax.__version__ == TOKAMAX_VERSION, tokamax.__version__
+    self.check_tokamax_version()
     assert rows <= max(TOKAMAX_ROWS)
     self._check_forms(MI, M)
     c, b = self.case, self.block
@@ -948,8 +985,11 @@ class TokamaxAttentionAnchor:
                                save_residuals=False, q_seq_shards=1)
     active = rows * (rows + 1) // 2
 
+    forms = self.forms(prng_key="prng_key_ref" in
+                       inspect.signature(K.flash_attention_kernel).parameters)
+
     def fn(q, k, v):
-      with visible_prefetch(K, self.forms(), grid=(heads, active)):
+      with visible_prefetch(K, forms, grid=(heads, active)):
         return kernel(q, k, v)
     S = jax.ShapeDtypeStruct
     kv_heads = max(1, heads * c.kv_heads // c.q_heads)
@@ -986,9 +1026,6 @@ class TokamaxAttentionAnchor:
     return dict(hand_mxu_flops=mxu, hand_us=hand_us,
                 hand_count=f"32 heads x {run} diagonal-or-below {self.block}^2 blocks x "
                            f"4*{self.block}^2*128 flops at bf16 peak")
-
-  def lowering(self, chip: str):
-    return target_chip(chip)
 
 
 # ----------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@
 #                   stack TorchTPU needs; the JAX-only tests run there too (scripts/test.sh)
 #   .venv-tokamax/  Python 3.11, requirements-tokamax.txt (tokamax 0.0.12 on the main stack's jax and
 #                   libtpu): only benchmarks/anchors.py's tokamax children run there
+#   .venv-tokamax-jax012/  Python 3.12, requirements-tokamax-jax012.txt (tokamax 0.0.17 on the
+#                   TorchTPU stack): the same, for anchors.py run from .venv-jax012
 #
 # Only `pip install` reaches the network (the package index). Everything after it runs with
 # JAX_PLATFORMS=cpu and, where this user may, with the network cut (`unshare -n`).
@@ -34,6 +36,7 @@ make_venv() {  # make_venv DIR PYTHON_VERSION LOCKFILE
 make_venv .venv 3.11 requirements.txt
 make_venv .venv-jax012 3.12 requirements-jax012.txt
 make_venv .venv-tokamax 3.11 requirements-tokamax.txt
+make_venv .venv-tokamax-jax012 3.12 requirements-tokamax-jax012.txt
 
 echo "== main job (builds every kernel repo into dist/, then runs them)"
 without_libtpu_noise offline .venv/bin/python scripts/demo.py

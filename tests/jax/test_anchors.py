@@ -192,9 +192,12 @@ def test_tokamax_gmm_heuristic_tiling_and_bytes_match_megablox():
 @pytest.mark.parametrize("key,trunc", [("tokamax-gmm:512:down:heuristic:128", [2]),
                                        ("tokamax-attn:4096:128", [2, 4])])
 def test_tokamax_anchor_compiles_in_its_environment(key, trunc):
-  """Built and compiled for v6e in .venv-tokamax (plain compile: no profile). The build
-  checks, against tokamax itself, its version, that the case gets its heuristic config,
-  and that the closed forms equal its own make_group_metadata / process_mask."""
-  assert anchors.TOKAMAX_PYTHON.exists(), "scripts/setup.sh makes .venv-tokamax"
+  """Built and compiled for v6e in this stack's tokamax environment (0.0.12 beside jax
+  0.10, 0.0.17 beside jax 0.12; plain compile: no profile). The build checks, against
+  tokamax itself, its version, that the case gets its heuristic config, and that the
+  closed forms equal its own make_group_metadata / process_mask."""
+  version, python = anchors.tokamax_environment()
+  assert python.exists(), f"scripts/setup.sh makes {python.parent.parent.name}"
+  assert f"tokamax {version}," in anchors._SPECS()[key].implementation
   out = anchors._child(key, "v6e", trunc, profile=False)
   assert out["kernels"] == 1
