@@ -663,13 +663,19 @@ class AttentionAnchor:
   def nq(self) -> int:
     return self.seq // self.block
 
-  # Truncations: [heads, q rows (blocks)]. One head rates differently from several (flash
-  # v6e at S=4096: 1 head 500,252 cycles, 2 heads 863,510, 4 heads 1,726,486 = exactly twice
-  # 2 heads; v5e: 588,210 / 759,966 / 1,519,390), so heads are extrapolated from 2 and 4.
-  # Small grids (<= 1024 steps a head): all rows at 2 and 4 heads. Large (S=32768): 2 heads
-  # at the first 2, 4, 8 q-block rows against the full kv length, fitted as
-  # a + b * rows + c * (blocks on/below the diagonal), extrapolated to all rows, times 16
-  # (4 heads at 8 rows took 134 s and 10.9 GB in the estimator: over budget).
+  # Truncations: [heads, blocks]: the causal self-attention of `blocks` blocks (q and kv
+  # both blocks * block long, the full square grid). One head rates differently from
+  # several (flash v6e at S=4096: 1 head 500,252 cycles, 2 heads 863,510, 4 heads 1,726,486 =
+  # exactly twice 2 heads; v5e: 588,210 / 759,966 / 1,519,390), so heads are extrapolated
+  # from 2 and 4. Small grids (<= 1024 steps a head): the case itself at 2 and 4 heads.
+  # Large (S=32768): 2 heads at SHORT_BLOCKS blocks (S = 8, 16, 32 blocks), fitted as
+  # a + b * n + c * n^2 in the block count n (one row per q block, n steps a row, of which
+  # n (n + 1) / 2 compute), evaluated at the case's n, times 16 for 32 heads. An earlier fit
+  # of the first 2, 4 and 8 q-block rows against the full kv length rated splash at half
+  # its cycles: the first rows' few computed tiles rate cheaper than later rows' (jax 0.12
+  # splash, blocks 512, S=16384, 2 heads, v6e: 1,207,602 fitted vs 1,626,135 direct).
+  SHORT_BLOCKS = (8, 16, 32)
+
   @property
   def small(self) -> bool:
     return self.nq * self.nq <= 1024
@@ -678,21 +684,18 @@ class AttentionAnchor:
   def truncations(self):
     if self.small:
       return ([2, self.nq], [4, self.nq])
-    return ([2, 2], [2, 4], [2, 8])
+    return tuple([2, n] for n in self.SHORT_BLOCKS)
 
   @property
   def method(self) -> str:
     if self.small:
       return ("static estimate at 2 and 4 heads (all q blocks), extrapolated linearly to 32 "
               "heads")
-    fit_check = {"flash": "fit checked at S=4096, 2 heads, v6e: 863,511 vs full 863,510 cycles; "
-                          "4 heads = exactly 2 x 2 heads at S=4096 on v5e and v6e",
-                 "splash": "fit checked at S=4096, 2 heads, v6e: 1,313,686 vs full 1,276,270 "
-                           "cycles (+3%); at S=4096 v6e 4 heads = 2.09 x 2 heads, so x16 "
-                           "may be ~4% low"}[self.kind]
-    return ("static estimate of 2 heads at the first 2, 4 and 8 q-block rows (full kv), fitted "
-            "as a + b*rows + c*(diagonal-or-below blocks), extrapolated to "
-            f"{self.nq} rows, times 16 for 32 heads ({fit_check})")
+    lengths = "/".join(str(n * self.block) for n in self.SHORT_BLOCKS)
+    return (f"static estimate of 2 heads at S={lengths} (the whole causal grid of 8, 16 and "
+            f"32 blocks), fitted as a + b*n + c*n^2 in the block count n, evaluated at "
+            f"n={self.nq}, times 16 for 32 heads (checked for jax 0.12 splash, blocks 512, v6e: "
+            "6,408,721 fitted vs 6,406,161 cycles rated directly at S=32768, 2 heads)")
 
   @property
   def note(self) -> str:
@@ -725,10 +728,10 @@ class AttentionAnchor:
     import jax.numpy as jnp
     return jnp.where(j <= i, j, 0) if not isinstance(i, int) else (j if j <= i else 0)
 
-  def _splash_mask_info(self, rows: int):
+  def _splash_mask_info(self, blocks: int):
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_mask as M, splash_attention_mask_info as MI)
-    mask = M.MultiHeadMask([M.CausalMask((rows * self.block, self.seq))])
+    mask = M.MultiHeadMask([M.CausalMask((blocks * self.block,) * 2)])
     info, _ = MI.process_mask(mask, (self.block, self.block), shrink_grid=False)
     return info
 
@@ -736,9 +739,13 @@ class AttentionAnchor:
     if self.kind != "splash":
       return
     import numpy as np
-    rows = min(self.nq, 8)
-    info = self._splash_mask_info(rows)
-    i, j = np.meshgrid(np.arange(rows), np.arange(self.nq), indexing="ij")
+    for blocks in sorted({t[1] for t in self.truncations}):   # every grid the child builds
+      self._check_mask_info(blocks)
+
+  def _check_mask_info(self, blocks: int) -> None:
+    import numpy as np
+    info = self._splash_mask_info(blocks)
+    i, j = np.meshgrid(np.arange(blocks), np.arange(blocks), indexing="ij")
     want_mask = np.where(j < i, 2, np.where(j == i, 1, 0))
     want_next = np.where(j <= i, j, 0)
     np.testing.assert_array_equal(np.asarray(info.block_mask)[0], want_mask)
@@ -746,11 +753,11 @@ class AttentionAnchor:
     assert info.mask_next is None and info.partial_mask_blocks is None
 
   def build(self, trunc, chip: str = "v6e"):
-    heads, rows = trunc
+    heads, blocks = trunc
     jax = _jax()
     import jax.numpy as jnp
     c, b = self.case, self.block
-    sq = rows * b
+    sq = blocks * b
     S = jax.ShapeDtypeStruct
     scale = 1.0 / math.sqrt(c.head_dim)
     if self.kind == "flash":
@@ -760,16 +767,13 @@ class AttentionAnchor:
         return F.flash_attention(q, k, v, causal=True, sm_scale=scale,
                                  block_sizes=F.BlockSizes(block_q=b, block_k_major=b,
                                                           block_k=b, block_b=1))
-      return fn, [S((1, heads, sq, c.head_dim), jnp.bfloat16),
-                  S((1, heads, self.seq, c.head_dim), jnp.bfloat16),
-                  S((1, heads, self.seq, c.head_dim), jnp.bfloat16)]
+      return fn, [S((1, heads, sq, c.head_dim), jnp.bfloat16)] * 3
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as K, splash_attention_mask as M,
         splash_attention_mask_info as MI)
     kv_heads = max(1, heads * c.kv_heads // c.q_heads)
-    mask = M.MultiHeadMask([M.CausalMask((sq, self.seq))] * heads)
-    # The square causal grid is not shrunk; truncated rows must not be either (else the
-    # truncated grid would lose the skipped steps the full one has).
+    mask = M.MultiHeadMask([M.CausalMask((sq, sq))] * heads)
+    # The square causal grid keeps its skipped steps (above the diagonal), as the case's does.
     process = functools.partial(MI.process_mask, shrink_grid=False)
     with mock.patch.object(K.mask_info_lib, "process_mask", process):
       kernel = K.make_splash_mha(mask, head_shards=1, q_seq_shards=1,
@@ -782,25 +786,25 @@ class AttentionAnchor:
       with visible_prefetch(K, forms):
         return kernel(q, k, v)   # (1/sqrt(D) folded into q by the caller: not rated)
     return fn, [S((heads, sq, c.head_dim), jnp.bfloat16),
-                S((kv_heads, self.seq, c.head_dim), jnp.bfloat16),
-                S((kv_heads, self.seq, c.head_dim), jnp.bfloat16)]
+                S((kv_heads, sq, c.head_dim), jnp.bfloat16),
+                S((kv_heads, sq, c.head_dim), jnp.bfloat16)]
 
   def extrapolate(self, cycles: dict) -> float:
     H = self.case.q_heads
     if self.small:
       c2, c4 = cycles[json.dumps([2, self.nq])], cycles[json.dumps([4, self.nq])]
       return c2 + (c4 - c2) / 2 * (H - 2)
-    return H / 2 * self.fit_rows(cycles)
+    return H / 2 * self.fit_blocks(cycles)
 
-  def fit_rows(self, cycles: dict) -> float:
-    """Solve a + b*rows + c*run for the three truncations (one head count); evaluate at all
-    rows."""
+  def fit_blocks(self, cycles: dict) -> float:
+    """Solve a + b*n + c*n^2 through the three short lengths (one head count); evaluate at
+    the case's block count."""
     import numpy as np
-    pts = [json.loads(t) for t in cycles]
-    A = np.array([[1.0, r, _causal_rows(r, self.nq)[0]] for _, r in pts])
-    y = np.array([cycles[json.dumps(p)] for p in pts], dtype=float)
+    ns = [json.loads(t)[1] for t in cycles]
+    A = np.array([[1.0, n, n * n] for n in ns])
+    y = np.array([cycles[json.dumps([2, n])] for n in ns], dtype=float)
     coef = np.linalg.solve(A, y)
-    return float(coef @ [1.0, self.nq, _causal_rows(self.nq, self.nq)[0]])
+    return float(coef @ [1.0, self.nq, self.nq ** 2])
 
   def hbm_bytes_head(self, nq_rows: int | None = None) -> int:
     """Bytes one head's grid moves (replay of (q row, kv col) through the index maps)."""
@@ -867,7 +871,12 @@ class TokamaxAttentionAnchor(_Tokamax):
   bounds_start = col == 0, bounds_end = col == row, block_mask = 1 on the diagonal (masked)
   else 2. That scalar work is not in tokamax's kernel: 4 more compares cost 16 cycles a grid
   step (S=4096, 2 heads, 4 rows, v6e: 18,399 -> 18,719 cycles over 20 steps), so tokamax
-  may be rated up to ~3% slow."""
+  may be rated up to ~3% slow.
+
+  Long cases are fitted from the first 2, 4 and 8 rows, which rates the grid fast (see
+  `method`). jax's splash anchor moved to whole grids at shorter lengths (`AttentionAnchor`);
+  here a whole grid of 32 rows needs 31 threshold compares a step, whose scalar work (~4
+  cycles each) would skew the rating the other way, so that move is not made yet."""
 
   seq: int
   block: int = 128
@@ -898,7 +907,10 @@ class TokamaxAttentionAnchor(_Tokamax):
     return ("static estimate of 2 heads at the first 2, 4 and 8 q-block rows (its compact grid "
             "of on-or-below-diagonal blocks), fitted as a + b*rows + c*blocks, extrapolated to "
             f"{self.nq} rows, times 16 for 32 heads; SMEM reads answered by closed forms of the "
-            "causal block list (their scalar work may rate it up to ~3% slow)")
+            "causal block list (their scalar work may rate it up to ~3% slow). The row fit "
+            "rates it fast: at S=16384, blocks 512, v6e, tokamax 0.0.17 it gave 1,193,023 "
+            "cycles against 1,356,420 rated on the whole grid (-12%); longer grids are "
+            "likely further off (jax's splash: -26% at S=16384, -51% at S=32768)")
 
   @property
   def note(self) -> str:
@@ -994,8 +1006,8 @@ class TokamaxAttentionAnchor(_Tokamax):
     S = jax.ShapeDtypeStruct
     kv_heads = max(1, heads * c.kv_heads // c.q_heads)
     return fn, [S((heads, sq, c.head_dim), jnp.bfloat16),
-                S((kv_heads, self.seq, c.head_dim), jnp.bfloat16),
-                S((kv_heads, self.seq, c.head_dim), jnp.bfloat16)]
+                S((kv_heads, sq, c.head_dim), jnp.bfloat16),
+                S((kv_heads, sq, c.head_dim), jnp.bfloat16)]
 
   def extrapolate(self, cycles: dict) -> float:
     """Solve a + b*rows + c*blocks for the three truncations; all rows, times 16 heads."""

@@ -92,15 +92,19 @@ def test_attention_hbm_per_head_equals_full_replay(kind):
   assert a.hbm_bytes() == moved + repeat
 
 
-def test_splash_causal_closed_form_equals_process_mask():
-  anchors.AttentionAnchor(1024, "splash").validate()
+@pytest.mark.parametrize("seq", [1024, 32768])
+def test_splash_causal_closed_form_equals_process_mask(seq):
+  anchors.AttentionAnchor(seq, "splash", 512 if seq > 1024 else 128).validate()
 
 
-def test_attention_row_fit_is_exact_for_a_model():
-  a = anchors.AttentionAnchor(32768, "flash")
-  model = lambda rows: 7 + 11 * rows + 13 * anchors._causal_rows(rows, a.nq)[0]
-  cycles = {f"[2, {r}]": model(r) for r in (2, 4, 8)}
-  assert a.fit_rows(cycles) == pytest.approx(model(a.nq))
+def test_attention_length_fit_is_exact_for_a_model():
+  """A long case is rated at shorter whole causal grids and fitted in the block count n:
+  per-row work (n rows) plus per-step work (n^2 steps, computed or skipped) is exact."""
+  a = anchors.AttentionAnchor(32768, "splash", 512)
+  assert [t[1] for t in a.truncations] == list(a.SHORT_BLOCKS) and a.nq == 64
+  model = lambda n: 7 + 11 * n + 13 * n * (n + 1) // 2 + 3 * n * (n - 1) // 2
+  cycles = {json.dumps(t): model(t[1]) for t in a.truncations}
+  assert a.extrapolate(cycles) == pytest.approx(16 * model(a.nq))
 
 
 def test_kernel_cycles_reads_multiline_instructions():
