@@ -12,9 +12,11 @@ header (docstring, imports) is kept from the current file (`write_table_module`)
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +35,9 @@ def enable_static_profile() -> None:
   args = os.environ.get("LIBTPU_INIT_ARGS", "")
   if not PROFILE_FLAG.search(args):
     directory = tempfile.mkdtemp(prefix="static_llo_profile_")
+    # The cycles are read from the compiled HLO, not from these dumps: gone at exit (they
+    # piled up by the hundred in /tmp otherwise).
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
     os.environ["LIBTPU_INIT_ARGS"] = f"{args} --xla_jf_dump_static_llo_profile_to={directory}"
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

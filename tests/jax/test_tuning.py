@@ -82,6 +82,17 @@ def test_enable_static_profile_adds_the_flag_once(monkeypatch):
   assert os.environ["LIBTPU_INIT_ARGS"] == first
 
 
+def test_static_profile_directory_is_removed_at_exit(tmp_path):
+  child = _script(tmp_path, "import os, sys\n"
+                  f"sys.path.insert(0, {str(Path(tuning.__file__).parent)!r})\n"
+                  "import tuning\ntuning.enable_static_profile()\n"
+                  "d = tuning.PROFILE_FLAG.search(os.environ['LIBTPU_INIT_ARGS']).group(0)\n"
+                  "d = d.split('=', 1)[1]\nassert os.path.isdir(d)\n"
+                  "tuning.print_row({'dir': d})\n")
+  rows, error = tuning.run_child(child, [], env={**os.environ, "LIBTPU_INIT_ARGS": ""})
+  assert error is None and rows[0]["dir"] and not Path(rows[0]["dir"]).exists()
+
+
 def test_log_round_trip_and_kept_rows(tmp_path):
   log = tmp_path / "ratings.jsonl"
   assert tuning.read_log(log) == []
