@@ -738,7 +738,6 @@ class AttentionAnchor:
   def validate(self) -> None:
     if self.kind != "splash":
       return
-    import numpy as np
     for blocks in sorted({t[1] for t in self.truncations}):   # every grid the child builds
       self._check_mask_info(blocks)
 
