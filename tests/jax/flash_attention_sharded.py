@@ -101,6 +101,18 @@ def grads_of(f, num_args):
   return run
 
 
+def _d_sinks_reorder_bound(full, sinks, ct, ct_lse):
+  """Per head: how far two float32 evaluations of d_sinks[h] = -sum_{b, i} t[b, i] with
+  t = exp(sinks[h] - lse) * di, di = sum_d(ct * out) - ct_lse, may differ when XLA sums
+  in another order: log2(n) * eps32 * sum |t| (pairwise summation's error bound, n = B * S
+  terms), from the unsharded kernel's out and lse in float64."""
+  out, lse = (np.asarray(a, np.float64) for a in full[:2])
+  di = np.sum(ct.astype(np.float64) * out, axis=-1) - ct_lse            # [B, Hq, S]
+  terms = np.exp(sinks.astype(np.float64)[None, :, None] - lse) * di
+  num_terms = terms.shape[0] * terms.shape[2]
+  return np.log2(num_terms) * np.finfo(np.float32).eps * np.sum(np.abs(terms), axis=(0, 2))
+
+
 def check_cpu():
   assert jax.device_count() >= NUM_SHARDS, (
       f"needs {NUM_SHARDS} host devices (XLA_FLAGS=--xla_force_host_platform_device_count"
@@ -138,9 +150,20 @@ def check_cpu():
     assert len(got) == len(full) == num_args + 2
     for what, g, f, r in zip(names, got, full, want):
       # Sharded vs unsharded kernel: the same per-head arithmetic (each device runs the
-      # kernel on whole KV groups), so only XLA's glue could reorder a sum.
-      np.testing.assert_allclose(np.asarray(g), np.asarray(f), rtol=1e-6, atol=1e-6,
-                                 err_msg=f"{name} {what}: sharded vs unsharded kernel")
+      # kernel on whole KV groups), so only XLA's glue could reorder a sum. The one sum
+      # in the glue is d_sinks (a sum over batch and queries, on a differently shaped
+      # array per device), held to the bound of a reordered float32 sum.
+      if what == "d_sinks":
+        bound = _d_sinks_reorder_bound(full, sinks, ct, ct_lse)
+        diff = np.abs(np.asarray(g, np.float64) - np.asarray(f, np.float64))
+        assert np.all(diff <= bound), (
+            f"{name} d_sinks: sharded vs unsharded kernel differ by {diff} per head, more "
+            f"than a reordered float32 sum can ({bound})")
+        print(f"cpu  {name}: d_sinks sharded - unsharded at most "
+              f"{np.max(diff / bound):.3f} of the reordering bound", flush=True)
+      else:
+        np.testing.assert_allclose(np.asarray(g), np.asarray(f), rtol=1e-6, atol=1e-6,
+                                   err_msg=f"{name} {what}: sharded vs unsharded kernel")
       if what == "out":
         tol, scale = ref.ATTENTION_TOLERANCE["float32"], None
       elif what == "lse":   # absolute in logit units (see reference.py)
