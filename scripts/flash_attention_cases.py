@@ -45,9 +45,11 @@ FEATURE_SEQ = 8192
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """One attention configuration (shapes and options), B = 1, self-attention Sq = Skv."""
+  """One attention configuration (shapes and options), B = 1, self-attention Sq = Skv.
+  The name is a label: configurations with the same shapes and options are equal (and
+  their programs compiled once, tests/jax/aot_pool.py)."""
 
-  name: str
+  name: str = dataclasses.field(compare=False)
   seq: int
   head_dim: int = 128
   q_heads: int = 32
@@ -179,16 +181,20 @@ def feature_programs(directions=("bwd",)) -> list[Program]:
 
 def tuned_programs(chip: str, directions=("bwd",)) -> list[Program]:
   """The tuning table's entries for `chip`: one program per distinct (head_dim, group,
-  entry), at the shortest sequence bucket that takes it, G query heads on one KV head
-  (what is compiled depends on the blocks, limit and group, not on the length)."""
+  dtype, entry), 8 KV heads with G query heads each, at one sequence bucket that takes
+  the entry: a default length (SEQ_LENS) if one does, else the shortest. The kernels
+  compiled depend on the blocks, limit and group, not on the length or head count; this
+  choice makes an entry the default shapes already use the very same program as theirs
+  (32 / 8 heads, a default length), compiled once."""
   from tpu_kernels import flash_attention_tuned
-  seen, out = set(), []
-  for (c, dtype, head_dim, group, seq), blocks in sorted(
-      flash_attention_tuned.BLOCKS.items(), key=lambda kv: kv[0][4]):
-    if c != chip or (head_dim, group, blocks) in seen:
-      continue
-    seen.add((head_dim, group, blocks))
-    config = Config("tuned", seq, head_dim, q_heads=group, kv_heads=1, dtype=dtype)
+  buckets = {}
+  for (c, dtype, head_dim, group, seq), blocks in flash_attention_tuned.BLOCKS.items():
+    if c == chip:
+      buckets.setdefault((head_dim, group, dtype, blocks), []).append(seq)
+  out = []
+  for (head_dim, group, dtype, _), seqs in sorted(buckets.items(), key=lambda kv: min(kv[1])):
+    seq = min([s for s in seqs if s in SEQ_LENS] or seqs)
+    config = Config("tuned", seq, head_dim, q_heads=8 * group, kv_heads=8, dtype=dtype)
     out += [Program(config, d) for d in directions]
   return out
 

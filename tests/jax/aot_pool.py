@@ -29,12 +29,20 @@ def module_compiles(request, group_of, programs_of, compile_case, chip_of):
   """Every compile of the module's selected tests (after -k / -m), queued at once in test
   order, so both workers stay busy across tests instead of idling at the end of each
   test's few programs. `group_of(item)` names the programs a test item compiles (or None),
-  `programs_of(group)` lists them, `chip_of(group)` gives their chip.
+  `programs_of(group)` lists them, `chip_of(group)` gives their chip. A program two
+  groups share (equal programs, same chip) is compiled once and its report read by both.
   Yields {group: [(program, future of compile_case(program, chip))]}."""
   groups = [g for item in request.session.items
             if getattr(item, "module", None) is request.module and (g := group_of(item))]
   with compile_pool() as executor:
-    futures = {g: [(p, executor.submit(compile_case, p, chip_of(g))) for p in programs_of(g)]
+    submitted = {}
+
+    def compile_once(program, chip):
+      if (program, chip) not in submitted:
+        submitted[program, chip] = executor.submit(compile_case, program, chip)
+      return submitted[program, chip]
+
+    futures = {g: [(p, compile_once(p, chip_of(g))) for p in programs_of(g)]
                for g in dict.fromkeys(groups)}
     try:
       yield futures

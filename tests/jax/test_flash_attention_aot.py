@@ -23,7 +23,9 @@ tiling of every case (block_q, block_k, limit and plan) is written to the test r
 One test per (head_dim or the feature set, chip) checks 3 or 4 programs (2-25 s of
 compile each: head_dim 80, MQA and the feature programs are the slowest, v6e slower
 than v5e). The compiles of all selected tests are queued at once on up to two worker
-processes (libtpu's compile is single-threaded; the test run itself is serial).
+processes (libtpu's compile is single-threaded; the test run itself is serial). A tuning-
+table entry that a default shape uses is checked on that very program, compiled once
+(`tuned_programs` picks 32 / 8 heads at a default length for it).
 """
 
 import re
