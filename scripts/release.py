@@ -38,6 +38,7 @@ Reports, and why they live where they do:
 from __future__ import annotations
 
 import base64
+import fcntl
 import fnmatch
 import hashlib
 import json
@@ -266,6 +267,15 @@ def record_test_outcomes(hub_name: str, *, stack: str, directory: Path, key: dic
   collected in it this run (the items a file must have passed).
   """
   path = test_report_path(hub_name, stack, directory)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  # scripts/test.sh runs two pytest sessions on one stack at the same time (tests/jax and
+  # tests/torch + tests/release): the read-merge-write below holds a lock.
+  with open(path.with_suffix(".lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return _merge_test_outcomes(path, hub_name, stack, key, items, collected)
+
+
+def _merge_test_outcomes(path, hub_name, stack, key, items, collected) -> Path:
   report = None
   if path.is_file():
     try:
@@ -277,7 +287,6 @@ def record_test_outcomes(hub_name: str, *, stack: str, directory: Path, key: dic
               "items": {}, "collected": {}}
   report["items"].update(items)
   report["collected"].update({f: sorted(ids) for f, ids in collected.items()})
-  path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_suffix(".tmp")
   tmp.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
   tmp.replace(path)
