@@ -268,8 +268,8 @@ def record_test_outcomes(hub_name: str, *, stack: str, directory: Path, key: dic
   """
   path = test_report_path(hub_name, stack, directory)
   path.parent.mkdir(parents=True, exist_ok=True)
-  # scripts/test.sh runs two pytest sessions on one stack at the same time (tests/jax and
-  # tests/torch + tests/release): the read-merge-write below holds a lock.
+  # scripts/test.sh runs leg 1 as two pytest sessions on one stack at the same time: the
+  # read-merge-write below holds a lock.
   with open(path.with_suffix(".lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     return _merge_test_outcomes(path, hub_name, stack, key, items, collected)
