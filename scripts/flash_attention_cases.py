@@ -182,10 +182,11 @@ def feature_programs(directions=("bwd",)) -> list[Program]:
 def tuned_programs(chip: str, directions=("bwd",)) -> list[Program]:
   """The tuning table's entries for `chip`: one program per distinct (head_dim, group,
   dtype, entry), 8 KV heads with G query heads each, at one sequence bucket that takes
-  the entry: a default length (SEQ_LENS) if one does, else the shortest. The kernels
-  compiled depend on the blocks, limit and group, not on the length or head count; this
-  choice makes an entry the default shapes already use the very same program as theirs
-  (32 / 8 heads, a default length), compiled once."""
+  the entry: the longest default length (SEQ_LENS) if one does, else the shortest. The
+  kernels compiled depend on the blocks, limit and group, not on the length or head
+  count; this choice makes an entry the default shapes already use the very same program
+  as theirs (32 / 8 heads, the longest default length of that tiling, as
+  tests/jax/aot_pool.largest_per_kernel picks), compiled once."""
   from tpu_kernels import flash_attention_tuned
   buckets = {}
   for (c, dtype, head_dim, group, seq), blocks in flash_attention_tuned.BLOCKS.items():
@@ -193,7 +194,7 @@ def tuned_programs(chip: str, directions=("bwd",)) -> list[Program]:
       buckets.setdefault((head_dim, group, dtype, blocks), []).append(seq)
   out = []
   for (head_dim, group, dtype, _), seqs in sorted(buckets.items(), key=lambda kv: min(kv[1])):
-    seq = min([s for s in seqs if s in SEQ_LENS] or seqs)
+    seq = max([s for s in seqs if s in SEQ_LENS] or [min(seqs)])
     config = Config("tuned", seq, head_dim, q_heads=8 * group, kv_heads=8, dtype=dtype)
     out += [Program(config, d) for d in directions]
   return out

@@ -11,6 +11,10 @@ import contextlib
 import multiprocessing
 import os
 
+# Set to 1 to compile every program of the default-shape matrices, not one per kernel
+# (`largest_per_kernel`): the deeper run, about twice the compiles.
+FULL_MATRIX = os.environ.get("TPU_KERNELS_AOT_FULL_MATRIX") == "1"
+
 
 @contextlib.contextmanager
 def compile_pool():
@@ -50,6 +54,25 @@ def module_compiles(request, group_of, programs_of, compile_case, chip_of):
       for pending in futures.values():   # a failed test leaves its compiles unread
         for _, future in pending:
           future.cancel()
+
+
+def largest_per_kernel(programs, kernel_of, size_of):
+  """The programs of a default-shape matrix worth compiling: for each distinct kernel
+  (`kernel_of(program)`: its blocks, VMEM limit and whatever else shapes the Mosaic body),
+  the one program with the largest `size_of(program)` (its sequence length, or the words of
+  its SMEM tables), in the matrix's order. Why this covers the rest: programs that share a
+  kernel differ only in grid extent and in the size of the scalar tables in SMEM, and the
+  largest of them has the largest tables (VMEM does not depend on the grid). Every
+  program, with TPU_KERNELS_AOT_FULL_MATRIX=1."""
+  if FULL_MATRIX:
+    return list(programs)
+  largest = {}
+  for program in programs:
+    kernel = kernel_of(program)
+    if kernel not in largest or size_of(program) > size_of(largest[kernel]):
+      largest[kernel] = program
+  chosen = set(largest.values())
+  return [p for p in programs if p in chosen]
 
 
 def check_compiled(pending, chip: str, check, record_property) -> None:

@@ -20,9 +20,14 @@ under is the one `attention_tiling` asked for and within the chip's allowance. T
 tiling of every case (block_q, block_k, limit and plan) is written to the test report
 (`record_property`) and printed by `python scripts/aot_summary.py`.
 
-One test per (head_dim or the feature set, chip) checks 3 or 4 programs (2-25 s of
-compile each: head_dim 80, MQA and the feature programs are the slowest, v6e slower
-than v5e). The compiles of all selected tests are queued at once on up to two worker
+A default length is compiled when it is the longest that uses its tiling (block_q,
+block_k, VMEM limit) on that chip (`aot_pool.largest_per_kernel`): the lengths that share
+a tiling compile the same three kernels over a longer or shorter grid, and the longest
+has the largest SMEM tables of the causal grid. On v6e one length per head_dim; on v5e
+two where the tuning table switches blocks at 8192. `TPU_KERNELS_AOT_FULL_MATRIX=1`
+compiles every length. One test per (head_dim or the feature set, chip) checks its
+programs (2-70 s of compile each: head_dim 80, MQA, the feature programs and v6e's
+1024-blocks are the slowest). The compiles of all selected tests are queued at once on up to two worker
 processes (libtpu's compile is single-threaded; the test run itself is serial). A tuning-
 table entry that a default shape uses is checked on that very program, compiled once
 (`tuned_programs` picks 32 / 8 heads at a default length for it).
@@ -33,9 +38,9 @@ import re
 import jax
 import pytest
 
-from aot_pool import check_compiled, module_compiles
+from aot_pool import check_compiled, largest_per_kernel, module_compiles
 
-from flash_attention_cases import (AOT_CHIPS, FEATURE_CONFIGS, HEAD_DIMS, SEQ_LENS, Program,
+from flash_attention_cases import (AOT_CHIPS, FEATURE_CONFIGS, HEAD_DIMS, Program,
                                    compile_case, default_config, default_programs,
                                    feature_programs, tuned_programs)
 from tpu_kernels import aot, chips, flash_attention_tuned
@@ -74,10 +79,18 @@ def _group(item):
   return ("features", None, params["chip"])
 
 
+def _kernel(program, chip):
+  t = program.tiling(chip)
+  return (t.block_q, t.block_k, t.vmem_limit_bytes)
+
+
 def _programs(kind, head_dim, chip):
   if kind == "tuned":
     return tuned_programs(chip)
-  return default_programs(head_dim) if kind == "default" else feature_programs()
+  if kind == "default":
+    return largest_per_kernel(default_programs(head_dim), lambda p: _kernel(p, chip),
+                              lambda p: p.config.seq)
+  return feature_programs()
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +104,15 @@ def compiles(request):
 @pytest.mark.parametrize("chip", AOT_CHIPS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_default_shapes_compile_bf16(compiles, head_dim, chip, record_property):
-  """32 / 8 heads, causal, S in {2048, 8192, 32768}."""
+  """32 / 8 heads, causal, S in {2048, 8192, 32768}: every tiling those lengths use, each
+  at the longest length that uses it."""
   group = ("default", head_dim, chip)
-  assert [p.config.seq for p, _ in compiles[group]] == SEQ_LENS
+  every = default_programs(head_dim)
+  compiled = [p for p, _ in compiles[group]]
+  assert {_kernel(p, chip) for p in compiled} == {_kernel(p, chip) for p in every}
+  for p in compiled:
+    assert p.config.seq == max(q.config.seq for q in every
+                               if _kernel(q, chip) == _kernel(p, chip)), p.label
   check_compiled(compiles[group], group[2], _check, record_property)
 
 

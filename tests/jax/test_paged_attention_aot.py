@@ -11,8 +11,13 @@ program: it compiles; it holds exactly one Mosaic kernel, `ragged_paged_attentio
 limit `paged_tiling` asked for, within the chip's allowance; the tiling's VMEM plan and
 SMEM tables fit their budgets. Each tiling is written to the test report.
 
-One test per (heads, head_dim, chip) checks the 9 (batch, context) programs, 1-8 s of
-compile each; all compiles are queued at once on the shared two-worker pool.
+Of the 9 (batch, context) programs of a (heads, head_dim, chip), those that run the same
+kernel (the same blocks, VMEM limit and sequences per call: they differ only in the
+length of the page table and in how many calls the SMEM-chunked path makes) are
+compiled once, at the one with the largest SMEM tables (`aot_pool.largest_per_kernel`):
+5 of the 9. `TPU_KERNELS_AOT_FULL_MATRIX=1` compiles all 9. One test per (heads,
+head_dim, chip), 1-15 s of compile per program; all compiles are queued at once on the
+shared two-worker pool.
 """
 
 import functools
@@ -20,7 +25,7 @@ import re
 
 import pytest
 
-from aot_pool import check_compiled, module_compiles
+from aot_pool import check_compiled, largest_per_kernel, module_compiles
 from paged_attention_cases import (AOT_CHIPS, BATCHES, CONTEXTS, FEATURE_CONFIGS, HEAD_DIMS,
                                    HEADS, Config, Program, compile_case, default_programs,
                                    feature_programs)
@@ -62,16 +67,26 @@ def _group(item):
   return ("features", None, None, params["chip"])
 
 
-def _programs(kind, heads, head_dim):
+def _kernel(program, chip):
+  """What shapes the Mosaic kernel: the tiling but for the sizes of its SMEM tables."""
+  t = program.tiling(chip)
+  return (t.block_q, t.rows, t.block_kv, t.pages_per_block, t.items_per_call,
+          t.vmem_limit_bytes)
+
+
+def _programs(kind, heads, head_dim, chip):
   if kind == "tuned":
     return [_tuned_program(heads)]
-  return default_programs(heads, head_dim) if kind == "default" else feature_programs()
+  if kind == "default":
+    return largest_per_kernel(default_programs(heads, head_dim), lambda p: _kernel(p, chip),
+                              lambda p: p.tiling(chip).smem_plan_words)
+  return feature_programs()
 
 
 @pytest.fixture(scope="module")
 def compiles(request):
   """Every compile of the selected tests, queued at once -> {group: [(program, future)]}."""
-  with module_compiles(request, _group, lambda g: _programs(*g[:3]), compile_case,
+  with module_compiles(request, _group, lambda g: _programs(*g), compile_case,
                        chip_of=lambda g: g[3]) as futures:
     yield futures
 
@@ -80,10 +95,17 @@ def compiles(request):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}-{h[1]}")
 def test_decode_defaults_compile(compiles, heads, head_dim, chip, record_property):
-  """Batch {1, 64, 256} x context {2k, 32k, 128k}, page size 16, bf16."""
+  """Batch {1, 64, 256} x context {2k, 32k, 128k}, page size 16, bf16: every kernel those
+  use, each at the program with its largest SMEM tables."""
   group = ("default", heads, head_dim, chip)
-  assert [(p.config.batch, p.config.context) for p, _ in compiles[group]] == [
+  every = default_programs(heads, head_dim)
+  assert [(p.config.batch, p.config.context) for p in every] == [
       (b, c) for b in BATCHES for c in CONTEXTS]
+  compiled = [p for p, _ in compiles[group]]
+  assert {_kernel(p, chip) for p in compiled} == {_kernel(p, chip) for p in every}
+  for p in compiled:
+    assert p.tiling(chip).smem_plan_words == max(
+        q.tiling(chip).smem_plan_words for q in every if _kernel(q, chip) == _kernel(p, chip))
   check_compiled(compiles[group], group[3], _check, record_property)
 
 
