@@ -69,13 +69,17 @@ def run_child(script: str | Path, args: Iterable[str], *, timeout: float | None 
               env: dict[str, str] | None = None,
               python: str | Path | None = None) -> tuple[list[dict], str | None]:
   """Runs `python script args...` (this interpreter unless `python` names another); returns
-  (the rows it printed, None) or, if it failed or printed no row, (the rows it printed, why)."""
-  try:
-    result = subprocess.run([str(python or sys.executable), str(script), *args],
-                            capture_output=True,
-                            text=True, timeout=timeout, env=env or child_env())
-  except subprocess.TimeoutExpired:
-    return [], f"rating took over {timeout} s"
+  (the rows it printed, None) or, if it failed or printed no row, (the rows it printed, why).
+  The child's temporary files (its static-profile directory among them) go to a directory
+  of ours, removed when it ends: a child libtpu aborts, or a timeout kills, never runs its
+  own exit handlers (such directories piled up in /tmp)."""
+  with tempfile.TemporaryDirectory(prefix="tuning_child_") as child_tmp:
+    try:
+      result = subprocess.run([str(python or sys.executable), str(script), *args],
+                              capture_output=True, text=True, timeout=timeout,
+                              env={**(env or child_env()), "TMPDIR": child_tmp})
+    except subprocess.TimeoutExpired:
+      return [], f"rating took over {timeout} s"
   rows = [json.loads(line[len(ROW_PREFIX):]) for line in result.stdout.splitlines()
           if line.startswith(ROW_PREFIX)]
   if result.returncode:

@@ -93,6 +93,17 @@ def test_static_profile_directory_is_removed_at_exit(tmp_path):
   assert error is None and rows[0]["dir"] and not Path(rows[0]["dir"]).exists()
 
 
+def test_static_profile_directory_is_removed_when_the_child_aborts(tmp_path):
+  child = _script(tmp_path, "import os\n"
+                  "tuning.enable_static_profile()\n"
+                  "d = tuning.PROFILE_FLAG.search(os.environ['LIBTPU_INIT_ARGS']).group(0)\n"
+                  "tuning.print_row({'dir': d.split('=', 1)[1]})\n"
+                  "os.abort()\n")   # as libtpu's fatal errors do: no exit handlers run
+  rows, error = tuning.run_child(child, [], env={**os.environ, "LIBTPU_INIT_ARGS": ""})
+  assert error.startswith("exit -6") and rows[0]["dir"]
+  assert not Path(rows[0]["dir"]).exists()
+
+
 def test_log_round_trip_and_kept_rows(tmp_path):
   log = tmp_path / "ratings.jsonl"
   assert tuning.read_log(log) == []
