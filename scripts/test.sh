@@ -23,7 +23,8 @@ source scripts/env.sh
 # 128, RMSNorm at hidden 1000, 4096 and 16384, ragged-dot at Qwen3-30B-A3B. The rest
 # (other head dims, head counts, hidden sizes and models, the flash tuning table: half of
 # the whole suite's compile time) leg 1 compiles. The per-chip VMEM-default check runs
-# for both chips on both legs.
+# for both chips on both legs. A -k of yours replaces this selection on leg 2 (pytest
+# keeps the last -k).
 leg2_skip=(  # -k takes one line: one clause per line here, joined below
   "aot and v5e and not default_scoped_vmem_limit"
   "test_flash_attention_aot and (tuning_table_entries or default_shapes and not [128-v6e])"
