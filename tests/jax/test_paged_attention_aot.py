@@ -25,6 +25,7 @@ import re
 
 import pytest
 
+import aot_pool
 from aot_pool import check_compiled, largest_per_kernel, module_compiles
 from paged_attention_cases import (AOT_CHIPS, BATCHES, CONTEXTS, FEATURE_CONFIGS, HEAD_DIMS,
                                    HEADS, Config, Program, compile_case, default_programs,
@@ -104,8 +105,9 @@ def test_decode_defaults_compile(compiles, heads, head_dim, chip, record_propert
   compiled = [p for p, _ in compiles[group]]
   assert {_kernel(p, chip) for p in compiled} == {_kernel(p, chip) for p in every}
   for p in compiled:
-    assert p.tiling(chip).smem_plan_words == max(
+    assert aot_pool.FULL_MATRIX or p.tiling(chip).smem_plan_words == max(
         q.tiling(chip).smem_plan_words for q in every if _kernel(q, chip) == _kernel(p, chip))
+  assert len(compiled) == len(every) or not aot_pool.FULL_MATRIX
   check_compiled(compiles[group], group[3], _check, record_property)
 
 
