@@ -344,6 +344,8 @@ def test_gqa_equals_each_head_with_repeated_kv():
     (1, "bfloat16", "normal", None, None, 128, 128, 512),    # one per q block
     (4, "float32", None, "shared", None, 256, 128, 512),     # one grid row
     (2, "float32", "normal", None, 5.0, 512, 128, 1024),     # 4 per q block, soft-cap
+    (1, "float32", None, None, None, 1024, 1024, 2048),      # diagonal tiles in 2 strips
+    (2, "bfloat16", "normal", None, 5.0, 1024, 1024, 2048),   # ... sinks, soft-cap, bf16
 ])
 def test_folded_causal_grid(group, dtype, sinks, segments, soft_cap, block_q, block_k, seq):
   """Causal self-attention with a static zero offset runs all three kernels on folded
