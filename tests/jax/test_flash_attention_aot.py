@@ -23,11 +23,11 @@ tiling of every case (block_q, block_k, limit and plan) is written to the test r
 A default length is compiled when it is the longest that uses its tiling (block_q,
 block_k, VMEM limit) on that chip (`aot_pool.largest_per_kernel`): the lengths that share
 a tiling compile the same three kernels over a longer or shorter grid, and the longest
-has the largest SMEM tables of the causal grid. On v6e one length per head_dim; on v5e
-two where the tuning table switches blocks at 8192. `TPU_KERNELS_AOT_FULL_MATRIX=1`
+has the largest SMEM tables of the causal grid. With today's tuning table that is one
+length per head_dim on each chip. `TPU_KERNELS_AOT_FULL_MATRIX=1`
 compiles every length. One test per (head_dim or the feature set, chip) checks its
-programs (2-70 s of compile each: head_dim 80, MQA, the feature programs and v6e's
-1024-blocks are the slowest). The compiles of all selected tests are queued at once on
+programs (2-70 s of compile each: head_dim 80, MQA, the feature programs and the
+1024-block ones are the slowest). The compiles of all selected tests are queued at once on
 up to two worker processes (libtpu's compile is single-threaded; the test run itself is
 serial). A tuning-table entry that a default shape uses is checked on that very program,
 compiled once (`tuned_programs` picks 32 / 8 heads at the longest default length of the
