@@ -21,7 +21,8 @@ an interior tile is a visited (q block, kv block) pair the causal mask does not 
 (it runs the unmasked body) and the per-q-block term carries the masked diagonal tiles
 and the block's prologue / epilogue. Checked on v6e at block 1024 x 512: fitted from
 S=4096 and 8192, one head, it gives 2,364,572 cycles at S=32768; the direct estimate
-is 2,353,286 (0.5 % apart).
+is 2,353,286 (0.5 % apart). Again at 1024 x 1024 with the diagonal tiles run in strips
+(the headline row's fit): 1,775,760 fitted per head, 1,768,260 direct (0.4 % apart).
 
 HBM bytes, replaying the grid: every q block is read once and its output (and f32 lse)
 written once per group; q block i visits kv blocks [0, hi_i), hi_i = ceil((i + 1) *
