@@ -16,6 +16,7 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LANES = 128
 NT = (((1,), (1,)), ((), ()))   # dot_general dimension numbers of a @ b.T
 NN = (((1,), (0,)), ((), ()))   # a @ b
+TN = (((0,), (0,)), ((), ()))   # a.T @ b
 
 
 def lanes(x, width: int):

@@ -30,3 +30,19 @@ def test_quick_estimate(tmp_path):
   table = (tmp_path / "estimates.md").read_text()
   assert "not a TPU measurement" in table and "Targets (issue 6" in table
   assert (tmp_path / "estimates.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.aot
+def test_mxu_probe_rates_attention_matmuls():
+  """benchmarks/mxu_probe.py (the README's MXU figures) rates with the pinned libtpu:
+  one cycle count per probe, and a share of the chip's peak in (0, 1]."""
+  result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mxu_probe.py"),
+                           "--chips", "v6e", "--probes", "s = q k^T", "o^T = v^T p^T"],
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = [json.loads(line[len("ROW "):]) for line in result.stdout.splitlines()
+          if line.startswith("ROW ")]
+  assert [(r["probe"], r["m"], r["k"], r["n"]) for r in rows] == [
+      ("s = q k^T", 1024, 128, 1024), ("o^T = v^T p^T", 128, 1024, 1024)]
+  for r in rows:
+    assert r["cycles"] > 0 and 0 < r["efficiency"] <= 1
