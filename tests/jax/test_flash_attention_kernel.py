@@ -12,6 +12,7 @@ lists so that examples share compilations, and everything runs under one `jax.ji
 """
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -264,6 +265,21 @@ def test_every_head_dim(head_dim, dtype):
            head_dim=head_dim, causal=True, q_offset=60, sliding_window=150, soft_cap=30.0,
            sm_scale=None, segments="pair_consistent", num_segments=2, sinks="normal",
            block_q=128, block_k=128, seed=head_dim)
+  x = _inputs(p)
+  _check(p, x, *_run(p, x))
+
+
+@pytest.mark.parametrize("block_q, block_k", [(1024, 512), (512, 512)])
+def test_dq_layouts_match_reference(block_q, block_k):
+  """The dq kernel works transposed (keys on sublanes) from block_q = 1024 and q-major
+  below (FA._dq_transposed): each, with everything that masks inside a block (chunk
+  offset, causal window, segment ids, padded queries and keys) plus soft-cap, sinks and
+  GQA, matches the reference."""
+  assert FA._dq_transposed(types.SimpleNamespace(block_q=block_q)) == (block_q >= 1024)
+  p = dict(dtype="float32", batch=1, num_kv_heads=1, group=2, q_len=1100, kv_len=1300,
+           head_dim=64, causal=True, q_offset=200, sliding_window=700, soft_cap=30.0,
+           sm_scale=None, segments="pair_consistent", num_segments=2, sinks="normal",
+           block_q=block_q, block_k=block_k, seed=block_q)
   x = _inputs(p)
   _check(p, x, *_run(p, x))
 
