@@ -46,3 +46,23 @@ def test_mxu_probe_rates_attention_matmuls():
       ("s = q k^T", 1024, 128, 1024), ("o^T = v^T p^T", 128, 1024, 1024)]
   for r in rows:
     assert r["cycles"] > 0 and 0 < r["efficiency"] <= 1
+
+
+@pytest.mark.aot
+def test_ragged_survey_rates_ours_and_xla(tmp_path):
+  """benchmarks/ragged_survey.py (the README's grouped-matmul survey) on one small shape:
+  a row for ours and for XLA's ragged_dot, each with a prediction no faster than the
+  roofline, ours with the tiling it was rated at."""
+  result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ragged_survey.py"),
+                           "--models", "olmoe-1b-7b", "--m", "512", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = [json.loads(line) for line in (tmp_path / "ragged_survey.jsonl").read_text().splitlines()]
+  assert [(r["part"], r["implementation"]) for r in rows] == [
+      ("gate_up", "pallas"), ("gate_up", "xla (lax.ragged_dot)"),
+      ("down", "pallas"), ("down", "xla (lax.ragged_dot)")]
+  for r in rows:
+    assert "error" not in r, r
+    assert r["predicted_us"] >= r["roofline_us"] * (1 - 1e-9) > 0
+    assert 0 < r["efficiency"] <= 1 + 1e-9
+  assert all(r["tiling"]["block_m"] == 16 for r in rows if r["implementation"] == "pallas")

@@ -1,0 +1,115 @@
+"""The grouped matmul beyond the headline: other MoE models' expert shapes, rated by the
+same method as `estimate.py` (ours: `ragged_estimate.GmmCase` at balanced routing, the
+default tiling, cycles extrapolated from 4 and 8 visits; XLA's `jax.lax.ragged_dot`: its
+`cost_analysis()`), one child process per rating (the estimator can abort or exhaust
+memory on some tilings; such a row is kept with its error).
+
+    python benchmarks/ragged_survey.py [--chips v6e] [--models mixtral-8x7b ...] [--m 512 8192]
+
+Writes benchmarks/results/ragged_survey.jsonl. Static estimates, not measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "kernels"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import tuning  # noqa: E402  (no jax)
+
+# (experts, hidden, one expert's intermediate size), from each model's config.json.
+MODELS = {
+    "qwen3-30b-a3b": (128, 2048, 768),
+    "qwen3-235b-a22b": (128, 4096, 1536),
+    "mixtral-8x7b": (8, 4096, 14336),
+    "deepseek-v3": (256, 7168, 2048),
+    "olmoe-1b-7b": (64, 2048, 1024),
+}
+PARTS = ("gate_up", "down")
+CHILD_MEMORY_BYTES = 12 << 30
+
+
+def _case(model: str, m: int, part: str, chip: str):
+  import ragged_estimate
+  groups, hidden, width = MODELS[model]
+  k, n, gated = (hidden, width, True) if part == "gate_up" else (width, hidden, False)
+  return ragged_estimate.GmmCase(m, groups, k, n, gated, chip=chip)
+
+
+def rate(model: str, m: int, part: str, chip: str, implementation: str) -> dict:
+  """One rating, in this process: ours by the static estimate, XLA by cost_analysis."""
+  import estimate
+  import ragged_estimate
+  from tpu_kernels import chips
+  case, c = _case(model, m, part, chip), chips.get_chip(chip)
+  row = dict(model=model, m=m, part=part, chip=chip, implementation=implementation,
+             roofline_us=max(case.flops() / c.bf16_flops_per_s,
+                             case.min_bytes() / c.hbm_bytes_per_s) * 1e6)
+  if implementation == "pallas":
+    t = case.tiling()
+    row["tiling"] = dict(block_m=t.block_m, block_k=t.block_k, block_n=t.block_n,
+                         vmem_limit_bytes=t.vmem_limit_bytes)
+    table = case.table()
+    rated = []
+    for visits in estimate.TRUNCATED_VISITS:
+      fn, specs = case.function(visits), case.specs()
+      text = estimate.jax.jit(fn).trace(*[estimate.aot._on_device(
+          s, estimate.aot.topology_device(chip)) for s in specs]).lower().compile().as_text()
+      rated.append(sum(estimate.aot.mosaic_kernel_cycles(text)))
+    (v1, v2), (k1, k2) = estimate.TRUNCATED_VISITS, rated
+    cycles = k1 + (k2 - k1) / (v2 - v1) * (table.num_visits - v1)
+    row.update(compute_us=cycles / c.clock_hz * 1e6, hbm_bytes=case.hbm_bytes())
+  else:
+    r = estimate._xla_cost(lambda: ragged_estimate.xla_function(case), chip)
+    if not r["compiled"]:
+      return dict(row, error=r["error"])
+    row.update(compute_us=r["compute_us"], hbm_bytes=r["hbm_bytes"])
+  row["hbm_us"] = row["hbm_bytes"] / c.hbm_bytes_per_s * 1e6
+  row["predicted_us"] = max(row["compute_us"], row["hbm_us"])
+  row["efficiency"] = row["roofline_us"] / row["predicted_us"]
+  return row
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--chips", nargs="+", default=["v6e"])
+  parser.add_argument("--models", nargs="+", default=list(MODELS))
+  parser.add_argument("--m", nargs="+", type=int, default=[512, 8192, 65536])
+  parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+  parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.child:
+    import resource   # some tilings make the estimator take all memory: fail the row instead
+    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
+    model, m, part, chip, implementation = args.child
+    tuning.print_row(rate(model, int(m), part, chip, implementation))
+    return
+  args.out.mkdir(parents=True, exist_ok=True)
+  rows = []
+  for chip in args.chips:
+    for model in args.models:
+      for m in args.m:
+        if m < MODELS[model][0]:
+          continue
+        for part in PARTS:
+          for implementation in ("pallas", "xla (lax.ragged_dot)"):
+            env = tuning.child_env(
+                ESTIMATE_STATIC_PROFILE="1" if implementation == "pallas" else "0")
+            got, error = tuning.run_child(__file__, ["--child", model, str(m), part, chip,
+                                                     implementation], timeout=900, env=env)
+            row = got[-1] if not error else dict(model=model, m=m, part=part, chip=chip,
+                                                 implementation=implementation, error=error)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+  with open(args.out / "ragged_survey.jsonl", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+  main()
