@@ -137,8 +137,11 @@ def _gmm(case: headline.GroupedMatmul, chip: str) -> ragged_estimate.GmmCase:
 
 
 def _ragged_pallas(case: headline.GroupedMatmul, chip: str) -> dict:
+  return rate_gmm(_gmm(case, chip), chip)
+
+
+def rate_gmm(gmm: ragged_estimate.GmmCase, chip: str) -> dict:
   """Kernel cycles extrapolated from truncated visit counts (identical per-visit work)."""
-  gmm = _gmm(case, chip)
   t, table = gmm.tiling(), gmm.table()
   table.check(num_k_tiles=-(-gmm.k // t.block_k))
   rated = []

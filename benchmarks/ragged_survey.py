@@ -1,6 +1,6 @@
 """The grouped matmul beyond the headline: other MoE models' expert shapes, rated by the
-same method as `estimate.py` (ours: `ragged_estimate.GmmCase` at balanced routing, the
-default tiling, cycles extrapolated from 4 and 8 visits; XLA's `jax.lax.ragged_dot`: its
+same method as `estimate.py` (ours: `estimate.rate_gmm`, a `ragged_estimate.GmmCase` at
+balanced routing and the default tiling, cycles extrapolated from 4 and 8 visits; XLA's `jax.lax.ragged_dot`: its
 `cost_analysis()`), one child process per rating (the estimator can abort or exhaust
 memory on some tilings; such a row is kept with its error).
 
@@ -52,19 +52,9 @@ def rate(model: str, m: int, part: str, chip: str, implementation: str) -> dict:
              roofline_us=max(case.flops() / c.bf16_flops_per_s,
                              case.min_bytes() / c.hbm_bytes_per_s) * 1e6)
   if implementation == "pallas":
-    t = case.tiling()
-    row["tiling"] = dict(block_m=t.block_m, block_k=t.block_k, block_n=t.block_n,
-                         vmem_limit_bytes=t.vmem_limit_bytes)
-    table = case.table()
-    rated = []
-    for visits in estimate.TRUNCATED_VISITS:
-      fn, specs = case.function(visits), case.specs()
-      text = estimate.jax.jit(fn).trace(*[estimate.aot._on_device(
-          s, estimate.aot.topology_device(chip)) for s in specs]).lower().compile().as_text()
-      rated.append(sum(estimate.aot.mosaic_kernel_cycles(text)))
-    (v1, v2), (k1, k2) = estimate.TRUNCATED_VISITS, rated
-    cycles = k1 + (k2 - k1) / (v2 - v1) * (table.num_visits - v1)
-    row.update(compute_us=cycles / c.clock_hz * 1e6, hbm_bytes=case.hbm_bytes())
+    r = estimate.rate_gmm(case, chip)
+    row.update(tiling=r["tiling"], compute_us=r["estimated_cycles"] / c.clock_hz * 1e6,
+               hbm_bytes=r["hbm_bytes"])
   else:
     r = estimate._xla_cost(lambda: ragged_estimate.xla_function(case), chip)
     if not r["compiled"]:
