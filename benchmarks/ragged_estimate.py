@@ -151,6 +151,7 @@ class GmmCase:
   gated: bool         # gate/up halves of one (G, 2I, k) weight, silu epilogue
   chip: str
   dtype: str = "bfloat16"
+  blocks: tuple[int, int, int] | None = None   # (block_m, block_k, block_n); None: the kernel's
 
   @property
   def num_rhs(self) -> int:
@@ -158,9 +159,11 @@ class GmmCase:
 
   def tiling(self) -> R.Tiling:
     dt = jnp.dtype(self.dtype)
+    block_m, block_k, block_n = self.blocks or (None, None, None)
     return R.gmm_tiling(self.m, self.k, self.n_out, num_groups=self.groups, lhs_dtype=dt,
                         rhs_dtype=dt, out_dtype=dt, num_rhs=self.num_rhs,
-                        n_must_divide=self.n_out if self.gated else None, chip=self.chip)
+                        n_must_divide=self.n_out if self.gated else None, chip=self.chip,
+                        block_m=block_m, block_k=block_k, block_n=block_n)
 
   def table(self) -> BalancedTable:
     return BalancedTable(self.m, self.groups, self.tiling().block_m)

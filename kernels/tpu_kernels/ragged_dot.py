@@ -48,7 +48,9 @@ other groups are masked out of both operands before lhs_tile.T @ dz_tile.
 Tiles come from the chip's VMEM budget (`gmm_tiling`, `tgmm_tiling`): the whole k
 in one block when it fits (weights are then fetched once per group and n tile),
 block_m near the mean group size (few wasted MXU rows at decode), block_n as large
-as the budget allows in multiples of 256 (the v6e MXU width).
+as the budget allows in multiples of 256 (the v6e MXU width). For the shapes in the
+tuning table (`ragged_dot_tuned.py`, written by benchmarks/tune_ragged_dot.py from
+libtpu's static estimates) the forward takes the table's blocks instead.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from jax.experimental.pallas import tpu as pltpu
 import numpy as np
 
 from . import chips
+from . import ragged_dot_tuned
 from . import vmem
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -192,6 +195,37 @@ def _best_blocks(bm_cands, k_cands, n_cands, n, plan, budget):
   return None
 
 
+@dataclasses.dataclass(frozen=True, order=True)
+class TuningKey:
+  """The bucket of a forward call shape in the tuning table (ragged_dot_tuned.py)."""
+
+  chip: str
+  dtype: str          # the one dtype of lhs, weights and output
+  num_rhs: int        # 2: the gated gate/up (two weight column sets); 1: plain
+  m_bucket: int       # rows rounded up to a power of two
+  k: int
+  n: int              # output columns per weight column set (I for gate/up)
+  num_groups: int     # local groups
+
+
+def tuning_key(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs,
+               chip) -> TuningKey | None:
+  """The table key of a forward call, or None when its dtypes differ (quantized weights,
+  f32 outputs of a bf16 matmul: the heuristic decides those)."""
+  names = {np.dtype(d).name for d in (lhs_dtype, rhs_dtype, out_dtype)}
+  if len(names) != 1:
+    return None
+  return TuningKey(chips.get_chip(chip).name, names.pop(), num_rhs, _next_pow2(m), k, n,
+                   num_groups)
+
+
+def tuned_blocks(m, k, n, **key_args) -> tuple[int, int, int] | None:
+  """The table's (block_m, block_k, block_n) for a forward call (`tuning_key`'s
+  arguments), or None."""
+  key = tuning_key(m, k, n, **key_args)
+  return None if key is None else ragged_dot_tuned.BLOCKS.get(dataclasses.astuple(key))
+
+
 def _resolve_limit(chip, plan_bytes_min, vmem_limit_bytes):
   limit = vmem.resolve_vmem_limit(chip, vmem_limit_bytes)
   if vmem_limit_bytes is None and plan_bytes_min > vmem.vmem_budget(chip, None):
@@ -206,9 +240,11 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
   """Tiles of the forward kernel: out (m, n) per rhs operand from lhs (m, k).
 
   VMEM plan: double-buffered lhs, rhs (x num_rhs), out, scale and bias blocks, the f32
-  accumulators, and f32 temporaries (dot result, epilogue). Preference: whole k, then the
-  widest block_n, then halving block_m. `n_must_divide`: block_n must divide it (the
-  gate/up halves of one concatenated weight are addressed in whole blocks).
+  accumulators, and f32 temporaries (dot result, epilogue). With no block or limit given,
+  the tuning table's blocks (`tuned_blocks`) when the call's bucket has an entry the kernel
+  accepts (the scoped-VMEM limit is raised to its plan if need be, up to the chip's
+  maximum); otherwise the heuristic (`_best_blocks`). `n_must_divide`: block_n must divide
+  it (the gate/up halves of one concatenated weight are addressed in whole blocks).
   """
   chip_ = chips.get_chip(chip)
   lb, rb, ob = (np.dtype(d).itemsize for d in (lhs_dtype, rhs_dtype, out_dtype))
@@ -239,6 +275,15 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
   limit, budget = _resolve_limit(chip_, smallest, vmem_limit_bytes)
   if block_n is None:
     n_cands = [b for b in n_cands if b <= MAX_BLOCK_N] or n_cands[-1:]
+  if block_m is None and block_k is None and block_n is None and vmem_limit_bytes is None:
+    tuned = tuned_blocks(m, k, n, num_groups=num_groups, lhs_dtype=lhs_dtype,
+                         rhs_dtype=rhs_dtype, out_dtype=out_dtype, num_rhs=num_rhs,
+                         chip=chip_.name)
+    if tuned and tuned[0] % sub == 0 and tuned[1] in k_cands and tuned[2] in n_cands:
+      bm, bk, bn = min(tuned[0], m), tuned[1], tuned[2]
+      tuned_limit, tuned_budget = _resolve_limit(chip_, max(plan(bm, bk, bn), smallest), None)
+      if plan(bm, bk, bn) <= tuned_budget:
+        return Tiling(bm, bk, bn, tuned_limit, plan(bm, bk, bn))
   best = _best_blocks(bm_cands, k_cands, n_cands, n, plan, budget)
   if best:
     return Tiling(*best, limit, plan(*best))

@@ -22,6 +22,8 @@ Mosaic kernels, and the scoped-VMEM limit it compiled under is the one the kerne
 tiling asked for and within the chip's allowance. The tiling of every case is written
 to the test report (`record_property`) and printed by `python scripts/aot_summary.py`.
 
+Plus one forward program per entry of the tuning table
+(kernels/tpu_kernels/ragged_dot_tuned.py), at its key's shape.
 One test per (model, chip) compiles the 10 programs of that model (1-13 s each; gpt-oss's
 interleaved gate/up is the slowest), spread over up to two worker processes (libtpu's
 compile is single-threaded; the test run itself is serial).
@@ -34,9 +36,9 @@ import pytest
 
 from aot_pool import check_compiled, compile_pool
 
-from ragged_dot_cases import (AOT_CHIPS, MODELS, QUANT_M, ROWS, compile_case, model_programs,
-                              quantized_programs)
-from tpu_kernels import aot, chips, ragged_dot as R
+from ragged_dot_cases import (AOT_CHIPS, MODELS, QUANT_M, ROWS, Model, Program, compile_case,
+                              model_programs, quantized_programs)
+from tpu_kernels import aot, chips, ragged_dot as R, ragged_dot_tuned
 
 pytestmark = pytest.mark.aot
 
@@ -83,6 +85,28 @@ def test_model_shapes_compile_bf16(pool, model, chip, record_property):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_quantized_weights_compile(pool, model, chip, record_property):
   _compile_and_check(pool, quantized_programs(model, QUANT_M), chip, record_property)
+
+
+def _tuned_program(entry) -> Program:
+  """The forward program of the entry's key: its model's projection (weights (G, out, in),
+  concatenated gate/up, silu) at the bucket's rows."""
+  key = R.TuningKey(*entry)
+  gated = key.num_rhs == 2
+  hidden, width = (key.k, key.n) if gated else (key.n, key.k)
+  model = Model(f"tuned G={key.num_groups} H={hidden} I={width}", key.num_groups, hidden,
+                width, True, "concatenated", "silu", False)
+  return Program(model, key.m_bucket, "gate_up" if gated else "down", "fwd",
+                 weight_dtype=key.dtype, dtype=key.dtype)
+
+
+@pytest.mark.parametrize("entry", sorted(ragged_dot_tuned.BLOCKS),
+                         ids=lambda e: "-".join(map(str, e)))
+def test_tuning_table_entries_compile(pool, entry, record_property):
+  """Every entry of the tuning table compiles for its chip, and the tiling uses it."""
+  program = _tuned_program(entry)
+  [(_, t)] = program.tilings(entry[0])
+  assert (t.block_m, t.block_k, t.block_n) == ragged_dot_tuned.BLOCKS[entry]
+  _compile_and_check(pool, [program], entry[0], record_property)
 
 
 @pytest.mark.parametrize("m", [8, 65536])

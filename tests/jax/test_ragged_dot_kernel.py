@@ -255,8 +255,13 @@ def test_default_tiles_fit_the_chip_budget(chip, m, k, n, groups):
                                     (jnp.bfloat16, jnp.int8, 2), (jnp.float32, jnp.float32, 1)]:
     t = K.gmm_tiling(m, k, n, num_groups=groups, lhs_dtype=dtype, rhs_dtype=rhs_dtype,
                      out_dtype=dtype, num_rhs=num_rhs, chip=chip)
-    assert t.vmem_limit_bytes == c.default_scoped_vmem_bytes
-    assert t.vmem_plan_bytes <= vmem.vmem_budget(c, None)
+    tuned = K.tuned_blocks(m, k, n, num_groups=groups, lhs_dtype=dtype, rhs_dtype=rhs_dtype,
+                           out_dtype=dtype, num_rhs=num_rhs, chip=chip)
+    # The heuristic stays in the chip's default limit; a tuning-table entry may ask for
+    # more (test_ragged_dot_tiling.py), never past the chip's maximum.
+    assert t.vmem_limit_bytes == c.default_scoped_vmem_bytes or tuned
+    assert t.vmem_limit_bytes <= c.max_vmem_limit_bytes
+    assert t.vmem_plan_bytes <= vmem.vmem_budget(c, t.vmem_limit_bytes)
     assert t.block_m == m or t.block_m % vmem.sublane_multiple(dtype) == 0
     assert t.block_k == k or t.block_k % 128 == 0
     assert t.block_n == n or t.block_n % 128 == 0

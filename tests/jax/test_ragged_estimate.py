@@ -5,6 +5,7 @@ computes the grouped matmul (benchmarks/ragged_estimate.py; interpret mode, no l
 
 import sys
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -64,3 +65,56 @@ def test_hbm_replay_counts_every_refetch():
   n_tiles = -(-8192 // wide.tiling().block_n)
   assert n_tiles > 1
   assert wide.hbm_bytes() == wide.min_bytes() + (n_tiles - 1) * 64 * 256 * 4
+
+
+
+class _MetadataTable:
+  """The visit table `ragged_dot.group_metadata` builds for concrete group sizes, read
+  the way GmmCase.hbm_bytes reads a BalancedTable."""
+
+  def __init__(self, sizes, m, block_m, num_k_tiles):
+    table, count = R.group_metadata(jnp.asarray(sizes, jnp.int32), 0,
+                                    num_local_groups=len(sizes), m=m, block_m=block_m,
+                                    num_k_tiles=num_k_tiles, zero_visits=True, interpret=True)
+    self.num_visits = int(count)
+    self._table = np.asarray(table).reshape(R._NUM_FIELDS, -1)
+
+  def value(self, field, v):
+    return self._table[field, v]
+
+
+@pytest.mark.parametrize("num_rhs, m, k, n, groups", [
+    (1, 512, 1024, 768, 8),      # rows per group above and below block_m; k split or not
+    (2, 512, 1024, 768, 8),
+    (1, 256, 512, 512, 32),
+    (2, 64, 2048, 256, 4),
+    (1, 1024, 384, 640, 16),     # padded last k and n blocks
+])
+def test_tuner_traffic_model_equals_the_replay(num_rhs, m, k, n, groups):
+  """benchmarks/tune_ragged_dot.py ranks candidates by a closed form of the bytes the grid
+  moves: it must equal the step-by-step replay of the index maps, for every candidate, at
+  balanced routing and at unaligned routing (the real visit table of group sizes whose
+  every boundary falls inside a row tile)."""
+  import tune_ragged_dot as T
+  key = R.TuningKey("v6e", "bfloat16", num_rhs, m, k, n, groups)
+  candidates = T.candidates(key)
+  assert len(candidates) > 10
+  assert any(-(-k // bk) > 1 for _, bk, _ in candidates)       # some split k
+  assert any(bm > m // groups for bm, _, _ in candidates)      # some tiles hold many groups
+  rows = m // groups
+  tables = {}
+  for blocks in candidates:
+    gmm = T.case(key, blocks)
+    assert T.modelled_bytes(key, blocks, T.balanced_visits(key, blocks[0])) == \
+        gmm.hbm_bytes(), blocks
+    # The replay reads only the group and row-tile fields, which depend on block_m alone:
+    # one table per block_m (its interpret-mode build is the slow part of this test).
+    block_m = blocks[0]
+    if block_m not in tables:
+      shift = min(rows, block_m) // 2
+      sizes = [rows - shift] + [rows] * (groups - 2) + [rows + shift]
+      tables[block_m] = _MetadataTable(sizes, m, block_m, num_k_tiles=1)
+    unaligned = tables[block_m]
+    assert unaligned.num_visits == T.unaligned_visits(key, blocks[0]), blocks
+    with mock.patch.object(type(gmm), "table", lambda self: unaligned):
+      assert T.modelled_bytes(key, blocks, unaligned.num_visits) == gmm.hbm_bytes(), blocks

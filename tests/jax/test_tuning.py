@@ -127,7 +127,8 @@ def test_table_module_keeps_the_header_and_is_importable(tmp_path):
 
 
 @pytest.mark.parametrize("tuner, table", [("tune_flash_attention", "flash_attention_tuned"),
-                                          ("tune_paged_attention", "paged_attention_tuned")])
+                                          ("tune_paged_attention", "paged_attention_tuned"),
+                                          ("tune_ragged_dot", "ragged_dot_tuned")])
 def test_tables_are_reproduced_from_their_logs(tuner, table, tmp_path):
   """The shipped table is exactly what its tuner builds from the shipped rating log."""
   shipped = ROOT / "kernels" / "tpu_kernels" / f"{table}.py"

@@ -1,0 +1,286 @@
+"""Tunes the grouped matmul's forward blocks with libtpu's static estimate; writes the table.
+
+    python benchmarks/tune_ragged_dot.py [--chips v6e] [--retry-failed] [--from-log]
+
+Grid: the expert shapes of benchmarks/ragged_survey.py's models on which the heuristic
+tiling rated below 0.95 of the roofline or behind XLA's ragged_dot (Mixtral-8x7B,
+Qwen3-235B-A22B, DeepSeek-V3), gate/up (gated, silu) and down, at m = 512 and 8192 rows,
+bf16, v6e. The headline model (Qwen3-30B-A3B) is not in the grid: its heuristic tiles
+rate 0.97-1.00 on both chips.
+
+Two routings. The headline rates the kernel at *balanced* routing: every group m / G
+rows, aligned with the row tiles. Real routing is not aligned: a group boundary inside
+a row tile makes one more visit, tiles_m + G - 1 in all (*unaligned*). That costs a
+split-k tiling a refetch of the group's weights (a visit walks all k blocks, so the
+weight block index changes), which whole-k tilings do not pay (the same block stays).
+At decode sizes balanced routing therefore flatters a split k by up to 2x in weight
+bytes. Each rated candidate gets both predictions: balanced, from the static estimate
+(`estimate.rate_gmm`, as in the headline); unaligned, from the same estimate's cycles
+per visit times the unaligned visit count, and the bytes of `modelled_bytes` at that
+count (the estimator itself only sees the balanced table). A prediction is
+max(cycles / clock, bytes / HBM bandwidth).
+
+Candidates: every (block_m, block_k, block_n) the kernel accepts whose VMEM plan fits
+under a scoped limit of VMEM_CEILING_BYTES (block_m a power of two from the sublane
+multiple to MAX_BLOCK_M, block_k and block_n from the kernel's own lane-block
+candidates). Rating one is two compiles (10-80 s), too many to rate them all, so they
+are ranked first by a traffic model (`modelled_seconds`: bytes moved over the HBM
+bandwidth, against padded MXU work at peak plus STEP_CYCLES per grid step). Rated: the
+heuristic's own pick, the best TOP_RATED by the model at unaligned routing, and the
+best by the model at balanced routing.
+
+The table: per key, the rated candidate with the lowest unaligned prediction (ties:
+lower balanced prediction, then larger blocks) enters if it beats the heuristic's pick
+by at least MIN_GAIN unaligned and is no slower balanced (so the headline's measure
+never gets worse). A key whose heuristic pick the estimator cannot rate gets no entry.
+Every rating goes to benchmarks/results/ragged_tuning.jsonl.
+
+Limits, stated: the model only chooses what gets rated; an unrated candidate might have
+been better. The unaligned prediction is a hand extrapolation, not the estimator's own
+(it assumes every visit costs a balanced visit's cycles). The estimator exhausts memory
+on some large gated blocks (each child is capped at ragged_survey.CHILD_MEMORY_BYTES):
+such a candidate is logged with its error and cannot win unless `--retry-failed`,
+which re-rates failed ones alone under RETRY_MEMORY_BYTES, rates it. Static estimates,
+not measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "kernels"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import ragged_survey  # noqa: E402  (no jax at import)
+import tuning  # noqa: E402  (no jax)
+
+if "--key" in sys.argv:   # the rating child needs the profile flag before jax loads
+  tuning.enable_static_profile()
+
+import jax.numpy as jnp  # noqa: E402
+
+from tpu_kernels import chips, ragged_dot as R, vmem  # noqa: E402
+
+CHIPS = ("v6e",)
+MODELS = ("mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3")
+ROWS = (512, 8192)
+VMEM_CEILING_BYTES = 64 << 20
+STEP_CYCLES = 600     # rough cost of one grid step; only ranks candidates for rating
+TOP_RATED = 3
+MIN_GAIN = 0.01
+WORKERS = 2           # ratings in parallel (each compile is single-threaded)
+RETRY_MEMORY_BYTES = 20 << 30   # --retry-failed: one rating at a time may take more
+
+
+def grid(chips_: tuple[str, ...] = CHIPS) -> list[R.TuningKey]:
+  keys = []
+  for chip in chips_:
+    for model in MODELS:
+      groups, hidden, width = ragged_survey.MODELS[model]
+      for m in ROWS:
+        keys.append(R.TuningKey(chip, "bfloat16", 2, m, hidden, width, groups))   # gate/up
+        keys.append(R.TuningKey(chip, "bfloat16", 1, m, width, hidden, groups))   # down
+  return keys
+
+
+def case(key: R.TuningKey, blocks: tuple[int, int, int] | None = None):
+  import ragged_estimate
+  return ragged_estimate.GmmCase(key.m_bucket, key.num_groups, key.k, key.n,
+                                 key.num_rhs == 2, chip=key.chip, dtype=key.dtype,
+                                 blocks=blocks)
+
+
+def candidates(key: R.TuningKey) -> list[tuple[int, int, int]]:
+  """Every block triple the kernel accepts for the key's shape within the ceiling."""
+  dt = jnp.dtype(key.dtype)
+  sub = vmem.sublane_multiple(dt)
+  budget = vmem.vmem_budget(chips.get_chip(key.chip), VMEM_CEILING_BYTES)
+  block_ms = [b for b in (1 << i for i in range(3, 11))
+              if sub <= b <= min(R.MAX_BLOCK_M, key.m_bucket)]
+  n_divides = key.n if key.num_rhs == 2 else None
+  block_ks = R._lane_block_candidates(key.k, None, None)
+  block_ns = [b for b in R._lane_block_candidates(key.n, None, n_divides)
+              if b <= R.MAX_BLOCK_N]
+  out = []
+  for bm in block_ms:
+    for bk in block_ks:
+      for bn in block_ns:
+        t = R.gmm_tiling(key.m_bucket, key.k, key.n, num_groups=key.num_groups, lhs_dtype=dt,
+                         rhs_dtype=dt, out_dtype=dt, num_rhs=key.num_rhs,
+                         n_must_divide=n_divides, chip=key.chip, block_m=bm, block_k=bk,
+                         block_n=bn)
+        if t.vmem_plan_bytes <= budget:
+          out.append((bm, bk, bn))
+  return out
+
+
+def balanced_visits(key: R.TuningKey, block_m: int) -> int:
+  import ragged_estimate
+  return ragged_estimate.BalancedTable(key.m_bucket, key.num_groups, block_m).num_visits
+
+
+def unaligned_visits(key: R.TuningKey, block_m: int) -> int:
+  """Visits when every group boundary falls inside a row tile."""
+  return key.m_bucket // block_m + key.num_groups - 1
+
+
+def modelled_bytes(key: R.TuningKey, blocks: tuple[int, int, int], visits: int) -> int:
+  """The bytes the forward grid moves over `visits` visits, in closed form (equal to
+  `GmmCase.hbm_bytes`'s replay of the index maps: tests/jax/test_ragged_estimate.py).
+  A block is fetched when its index changes between grid steps (n tile, visit, k tile):
+  with the whole k in one block, lhs once per row tile and the weights once per group;
+  with k split, both at every visit. All of it per n tile, except a lone lhs block,
+  fetched once."""
+  bm, bk, bn = blocks
+  item = jnp.dtype(key.dtype).itemsize
+  tiles_m, tiles_k, tiles_n = -(-key.m_bucket // bm), -(-key.k // bk), -(-key.n // bn)
+  lhs_fetches, rhs_fetches = (tiles_m, key.num_groups) if tiles_k == 1 else (visits, visits)
+  lhs = lhs_fetches * bm * tiles_k * bk * item
+  rhs = rhs_fetches * key.num_rhs * tiles_k * bk * bn * item
+  out = tiles_m * bm * bn * item
+  if tiles_m == 1 and tiles_k == 1:
+    return lhs + tiles_n * (rhs + out)
+  return tiles_n * (lhs + rhs + out)
+
+
+def modelled_seconds(key: R.TuningKey, blocks: tuple[int, int, int], visits: int) -> float:
+  """The traffic model that picks which candidates are rated (see the module doc)."""
+  c = chips.get_chip(key.chip)
+  bm, bk, bn = blocks
+  tiles_k, tiles_n = -(-key.k // bk), -(-key.n // bn)
+  mxu = 2 * visits * bm * tiles_k * bk * tiles_n * bn * key.num_rhs / c.bf16_flops_per_s
+  steps = visits * tiles_k * tiles_n
+  return max(modelled_bytes(key, blocks, visits) / c.hbm_bytes_per_s,
+             mxu + steps * STEP_CYCLES / c.clock_hz)
+
+
+def heuristic_blocks(key: R.TuningKey) -> tuple[int, int, int]:
+  """The heuristic's pick, whatever the shipped table holds."""
+  with mock.patch.dict(R.ragged_dot_tuned.BLOCKS, clear=True):
+    tiling = case(key).tiling()
+  return tiling.block_m, tiling.block_k, tiling.block_n
+
+
+def to_rate(key: R.TuningKey) -> list[tuple[int, int, int]]:
+  """The heuristic's pick, the TOP_RATED best others by the model at unaligned routing,
+  and the best other by the model at balanced routing."""
+  own = heuristic_blocks(key)
+  others = [b for b in candidates(key) if b != own]
+
+  def ranked(visits):
+    return sorted(others, key=lambda b: (modelled_seconds(key, b, visits(key, b[0])),
+                                         -b[0] * b[1] * b[2]))
+
+  chosen = [own] + ranked(unaligned_visits)[:TOP_RATED]
+  chosen += [b for b in ranked(balanced_visits) if b not in chosen][:1]
+  return chosen
+
+
+def rate(key: R.TuningKey, blocks: tuple[int, int, int]) -> dict:
+  """One rating, in this process: the balanced prediction from the static estimate, the
+  unaligned one extrapolated from it (module doc)."""
+  import estimate
+  c = chips.get_chip(key.chip)
+  r = estimate.rate_gmm(case(key, blocks), key.chip)
+  balanced, unaligned = balanced_visits(key, blocks[0]), unaligned_visits(key, blocks[0])
+  row = dict(blocks=list(blocks), vmem_limit_bytes=r["tiling"]["vmem_limit_bytes"],
+             cycles_per_visit=r["cycles_per_visit"])
+  for routing, visits, cycles, nbytes in [
+      ("balanced", balanced, r["estimated_cycles"], r["hbm_bytes"]),
+      ("unaligned", unaligned,
+       r["estimated_cycles"] + r["cycles_per_visit"] * (unaligned - balanced),
+       modelled_bytes(key, blocks, unaligned))]:
+    compute_us, hbm_us = cycles / c.clock_hz * 1e6, nbytes / c.hbm_bytes_per_s * 1e6
+    row[routing] = dict(visits=visits, estimated_cycles=round(cycles), hbm_bytes=nbytes,
+                        compute_us=compute_us, hbm_us=hbm_us,
+                        predicted_us=max(compute_us, hbm_us))
+  return row
+
+
+def table_from_ratings(rows: list[dict]) -> dict[R.TuningKey, tuple[int, int, int]]:
+  """Per key, the best rated candidate at unaligned routing, where it beats the rated
+  heuristic pick by MIN_GAIN there and is no slower at balanced routing."""
+  def cost(r):
+    b = r["blocks"]
+    return (r["unaligned"]["predicted_us"], r["balanced"]["predicted_us"], -b[0] * b[1] * b[2])
+
+  table = {}
+  for key in grid():
+    mine = [r for r in rows if R.TuningKey(*r["key"]) == key and "balanced" in r]
+    own = [r for r in mine if r["heuristic"]]
+    if not own:
+      continue
+    best, own = min(mine, key=cost), own[0]
+    if best["unaligned"]["predicted_us"] < (1 - MIN_GAIN) * own["unaligned"]["predicted_us"] \
+        and best["balanced"]["predicted_us"] <= own["balanced"]["predicted_us"]:
+      table[key] = tuple(best["blocks"])
+  return table
+
+
+def _rate_in_child(key: R.TuningKey, blocks, heuristic: bool,
+                   memory_bytes: int = ragged_survey.CHILD_MEMORY_BYTES) -> dict:
+  found, error = tuning.run_child(__file__, ["--key", json.dumps(dataclasses.astuple(key)),
+                                             "--blocks", ",".join(map(str, blocks)),
+                                             "--memory-bytes", str(memory_bytes)],
+                                  timeout=1200)
+  row = found[0] if found else dict(blocks=list(blocks), error=error)
+  row.update(key=list(dataclasses.astuple(key)), heuristic=heuristic)
+  print(f"{key}: {blocks}{' (heuristic)' if heuristic else ''}: " + (
+      error or " ".join(f"{routing} {row[routing]['predicted_us']:.1f} us"
+                        for routing in ("balanced", "unaligned"))), flush=True)
+  return row
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", default=str(ROOT / "kernels/tpu_kernels/ragged_dot_tuned.py"))
+  p.add_argument("--log", default=str(ROOT / "benchmarks/results/ragged_tuning.jsonl"))
+  p.add_argument("--key", help=argparse.SUPPRESS)      # internal: rate one candidate
+  p.add_argument("--blocks", help=argparse.SUPPRESS)
+  p.add_argument("--memory-bytes", type=int, help=argparse.SUPPRESS)
+  p.add_argument("--retry-failed", action="store_true",
+                 help="re-rate the log's failed ratings one at a time, with a memory cap of "
+                      "RETRY_MEMORY_BYTES (the estimator exhausts memory on some blocks)")
+  p.add_argument("--chips", nargs="+", default=list(CHIPS),
+                 help="re-rate these chips; the log's rows for the others are kept")
+  p.add_argument("--from-log", action="store_true",
+                 help="rebuild the table from the ratings already in --log (no estimator)")
+  a = p.parse_args(argv)
+  if a.key:
+    import resource   # some blocks make the estimator take all memory: fail the row instead
+    cap = a.memory_bytes or ragged_survey.CHILD_MEMORY_BYTES
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    blocks = tuple(int(x) for x in a.blocks.split(","))
+    tuning.print_row(rate(R.TuningKey(*json.loads(a.key)), blocks))
+    return 0
+  if a.from_log:
+    rows = tuning.read_log(a.log)
+  elif a.retry_failed:
+    rows = [r if "error" not in r or R.TuningKey(*r["key"]).chip not in a.chips else
+            _rate_in_child(R.TuningKey(*r["key"]), tuple(r["blocks"]), r["heuristic"],
+                           RETRY_MEMORY_BYTES) for r in tuning.read_log(a.log)]
+    tuning.write_log(a.log, rows)
+  else:
+    rows = tuning.kept_rows(a.log, lambda r: r["key"][0] in a.chips)
+    jobs = [(key, blocks, i == 0) for key in grid(tuple(a.chips))
+            for i, blocks in enumerate(to_rate(key))]
+    with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
+      rows += list(pool.map(lambda job: _rate_in_child(*job), jobs))
+    tuning.write_log(a.log, rows)
+  table = {dataclasses.astuple(k): v for k, v in table_from_ratings(rows).items()}
+  tuning.write_table_module(a.out, "BLOCKS",
+                            "dict[tuple[str, str, int, int, int, int, int], tuple[int, int, int]]",
+                            table)
+  print(f"wrote {a.out} ({len(table)} entries)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

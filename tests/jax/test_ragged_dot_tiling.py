@@ -1,0 +1,103 @@
+"""The grouped matmul's tuning table: keys are reachable, entries are legal, fit and are
+used; anything outside the table keeps the heuristic. Pure Python (no kernel runs, no
+compile): the entries' compiles are in test_ragged_dot_aot.py, the tuner's traffic model
+against the index-map replay in test_ragged_estimate.py."""
+
+import dataclasses
+import sys
+from pathlib import Path
+from unittest import mock
+
+import jax.numpy as jnp
+import pytest
+
+from tpu_kernels import chips, ragged_dot as R, ragged_dot_tuned, vmem
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+TABLE = ragged_dot_tuned.BLOCKS
+BF16 = jnp.bfloat16
+
+
+def _tiling(key: R.TuningKey, m: int, **blocks) -> R.Tiling:
+  dt = jnp.dtype(key.dtype)
+  return R.gmm_tiling(m, key.k, key.n, num_groups=key.num_groups, lhs_dtype=dt, rhs_dtype=dt,
+                      out_dtype=dt, num_rhs=key.num_rhs,
+                      n_must_divide=key.n if key.num_rhs == 2 else None, chip=key.chip,
+                      **blocks)
+
+
+def test_the_table_covers_the_shapes_the_survey_found_slow():
+  """Mixtral-8x7B's prefill down projection rated 0.40 of the roofline with the heuristic
+  tiles (benchmarks/results/ragged_survey.jsonl): the tuner's winner must be in the table."""
+  assert ("v6e", "bfloat16", 1, 8192, 14336, 4096, 8) in TABLE
+
+
+@pytest.mark.parametrize("entry", sorted(TABLE), ids=lambda e: "-".join(map(str, e)))
+def test_every_key_is_produced_by_the_lookup(entry):
+  """The key's own shape, and a row count inside its bucket, map back to it."""
+  key = R.TuningKey(*entry)
+  for m in (key.m_bucket, key.m_bucket // 2 + 1):
+    assert R.tuning_key(m, key.k, key.n, num_groups=key.num_groups, lhs_dtype=BF16,
+                        rhs_dtype=BF16, out_dtype=BF16, num_rhs=key.num_rhs,
+                        chip=key.chip) == key
+
+
+@pytest.mark.parametrize("entry", sorted(TABLE), ids=lambda e: "-".join(map(str, e)))
+def test_every_entry_is_a_legal_block_that_fits_and_is_used(entry):
+  key, (block_m, block_k, block_n) = R.TuningKey(*entry), TABLE[entry]
+  chip = chips.get_chip(key.chip)
+  assert block_m & (block_m - 1) == 0 and block_m <= R.MAX_BLOCK_M
+  assert block_k in R._lane_block_candidates(key.k, None, None)
+  assert block_n in R._lane_block_candidates(key.n, None, key.n if key.num_rhs == 2 else None)
+  for m in (key.m_bucket, key.m_bucket // 2 + 1):
+    t = _tiling(key, m)
+    assert (t.block_m, t.block_k, t.block_n) == (min(block_m, m), block_k, block_n)
+    assert t.vmem_plan_bytes <= vmem.vmem_budget(chip, t.vmem_limit_bytes)
+    assert t.vmem_limit_bytes <= chip.max_vmem_limit_bytes
+    explicit = _tiling(key, m, block_m=block_m, block_k=block_k, block_n=block_n)
+    assert explicit == t   # what the tuner rated: the same tiles, the same limit
+
+
+def _blocks(t: R.Tiling) -> tuple[int, int, int]:
+  return t.block_m, t.block_k, t.block_n
+
+
+def test_outside_the_table_the_heuristic_decides():
+  key = R.TuningKey("v6e", "bfloat16", 1, 8192, 14336, 4096, 8)
+  with mock.patch.dict(ragged_dot_tuned.BLOCKS, clear=True):
+    want = _tiling(key, 8192)
+  with mock.patch.dict(ragged_dot_tuned.BLOCKS, {dataclasses.astuple(key): (64, 256, 256)}):
+    assert _blocks(_tiling(key, 8192)) == (64, 256, 256)
+    # Explicit blocks or a limit from the caller bypass the table.
+    assert _blocks(_tiling(key, 8192, block_m=128)) != (64, 256, 256)
+    assert _blocks(_tiling(key, 8192, vmem_limit_bytes=32 * vmem.MiB)) == _blocks(want)
+    # Another bucket of m, another chip, or mixed dtypes (int8 weights) miss the key.
+    assert _blocks(_tiling(key, 2048)) != (64, 256, 256)
+    assert _blocks(_tiling(dataclasses.replace(key, chip="v5e"), 8192)) != (64, 256, 256)
+    assert R.tuning_key(8192, key.k, key.n, num_groups=8, lhs_dtype=BF16, rhs_dtype=jnp.int8,
+                        out_dtype=BF16, num_rhs=1, chip="v6e") is None
+  # 384 is not a block the kernel takes (above 256 it cuts lanes in multiples of 256):
+  # the entry is ignored.
+  with mock.patch.dict(ragged_dot_tuned.BLOCKS, {dataclasses.astuple(key): (64, 256, 384)}):
+    assert _tiling(key, 8192) == want
+
+
+def test_table_is_built_from_the_rated_heuristic_and_a_gain():
+  """An entry needs the heuristic's pick rated, a gain of at least 1% at unaligned
+  routing, and no loss at balanced routing; an unrated candidate cannot win."""
+  import tune_ragged_dot as T
+  key = T.grid()[0]
+
+  def row(blocks, unaligned, balanced, heuristic=False):
+    return dict(key=list(dataclasses.astuple(key)), blocks=list(blocks), heuristic=heuristic,
+                unaligned=dict(predicted_us=unaligned), balanced=dict(predicted_us=balanced))
+
+  own = row((16, 512, 512), 100.0, 50.0, heuristic=True)
+  unrated = dict(key=list(dataclasses.astuple(key)), blocks=[8, 512, 256], heuristic=False,
+                 error="exit -6")
+  assert T.table_from_ratings([row((8, 256, 256), 90.0, 40.0)]) == {}       # own unrated
+  assert T.table_from_ratings([own, row((8, 256, 256), 99.5, 40.0)]) == {}  # gain < 1%
+  assert T.table_from_ratings([own, row((8, 256, 256), 90.0, 51.0)]) == {}  # slower balanced
+  assert T.table_from_ratings([own, unrated, row((8, 256, 256), 90.0, 50.0),
+                               row((8, 256, 512), 90.0, 45.0)]) == {key: (8, 256, 512)}
