@@ -1,19 +1,20 @@
 """The grouped matmul beyond the headline: other MoE models' expert shapes, rated by the
 same method as `estimate.py` (ours: `estimate.rate_gmm`, a `ragged_estimate.GmmCase` at
-balanced routing and the default tiling, cycles extrapolated from 4 and 8 visits; XLA's `jax.lax.ragged_dot`: its
+balanced routing and the kernel's default tiling, which includes the tuning table;
+cycles extrapolated from 4 and 8 visits; XLA's `jax.lax.ragged_dot`: its
 `cost_analysis()`), one child process per rating (the estimator can abort or exhaust
 memory on some tilings; such a row is kept with its error).
 
     python benchmarks/ragged_survey.py [--chips v6e] [--models mixtral-8x7b ...] [--m 512 8192]
 
-Writes benchmarks/results/ragged_survey.jsonl. Static estimates, not measurements.
+Writes benchmarks/results/ragged_survey.jsonl: this run's rows replace the file's rows of
+the same (chip, model, m); the others are kept. Static estimates, not measurements.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -97,8 +98,10 @@ def main() -> None:
                                                  implementation=implementation, error=error)
             rows.append(row)
             print(json.dumps(row), flush=True)
-  with open(args.out / "ragged_survey.jsonl", "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in rows)
+  path = args.out / "ragged_survey.jsonl"
+  rerated = {(r["chip"], r["model"], r["m"]) for r in rows}
+  kept = tuning.kept_rows(path, lambda r: (r["chip"], r["model"], r["m"]) in rerated)
+  tuning.write_log(path, kept + rows)
 
 
 if __name__ == "__main__":
