@@ -101,3 +101,6 @@ def test_table_is_built_from_the_rated_heuristic_and_a_gain():
   assert T.table_from_ratings([own, row((8, 256, 256), 90.0, 51.0)]) == {}  # slower balanced
   assert T.table_from_ratings([own, unrated, row((8, 256, 256), 90.0, 50.0),
                                row((8, 256, 512), 90.0, 45.0)]) == {key: (8, 256, 512)}
+  # The best unaligned candidate is slower balanced: the next best that is not wins.
+  assert T.table_from_ratings([own, row((8, 256, 256), 80.0, 51.0),
+                               row((8, 512, 256), 95.0, 50.0)]) == {key: (8, 512, 256)}
