@@ -140,13 +140,8 @@ def rate_jobs(jobs: dict[tuple, set]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default=str(ROOT / "kernels/tpu_kernels/flash_attention_tuned.py"))
-  p.add_argument("--log", default=str(ROOT / "benchmarks/results/flash_tuning.jsonl"))
-  p.add_argument("--chips", nargs="+", default=list(CHIPS),
-                 help="re-rate these chips; the log's rows for the others are kept")
-  p.add_argument("--from-log", action="store_true",
-                 help="rebuild the table from the ratings already in --log (no estimator)")
+  p = tuning.argument_parser(__doc__, ROOT / "kernels/tpu_kernels/flash_attention_tuned.py",
+                             ROOT / "benchmarks/results/flash_tuning.jsonl", CHIPS)
   p.add_argument("--rate", help=argparse.SUPPRESS)   # internal: one rating job, ROW lines
   a = p.parse_args(argv)
   if a.rate:

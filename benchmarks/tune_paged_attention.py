@@ -90,15 +90,10 @@ def table_from_ratings(rows: list[dict]) -> dict[PA.TuningKey, int]:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default=str(ROOT / "kernels/tpu_kernels/paged_attention_tuned.py"))
-  p.add_argument("--log", default=str(ROOT / "benchmarks/results/paged_tuning.jsonl"))
+  p = tuning.argument_parser(__doc__, ROOT / "kernels/tpu_kernels/paged_attention_tuned.py",
+                             ROOT / "benchmarks/results/paged_tuning.jsonl", CHIPS)
   p.add_argument("--key", help=argparse.SUPPRESS)   # internal: rate one key, print JSON lines
   p.add_argument("--block-kv", type=int, help=argparse.SUPPRESS)   # ... at this candidate
-  p.add_argument("--chips", nargs="+", default=list(CHIPS),
-                 help="re-rate these chips; the log's rows for the others are kept")
-  p.add_argument("--from-log", action="store_true",
-                 help="rebuild the table from the ratings already in --log (no estimator)")
   a = p.parse_args(argv)
   if a.key:
     for row in rate(PA.TuningKey(*json.loads(a.key)), a.block_kv):

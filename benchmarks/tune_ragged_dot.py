@@ -2,10 +2,11 @@
 
     python benchmarks/tune_ragged_dot.py [--chips v6e] [--models ...] [--retry-failed]
 
-Grid: the headline model's expert shapes (Qwen3-30B-A3B) and those of
-benchmarks/ragged_survey.py's models on which the heuristic tiling rated below 0.95 of
-the roofline or behind XLA's ragged_dot (Mixtral-8x7B, Qwen3-235B-A22B, DeepSeek-V3),
-gate/up (gated, silu) and down, at m = 512 and 8192 rows, bf16, v6e.
+Grid (`MODELS_BY_CHIP`): on v6e, the headline model's expert shapes (Qwen3-30B-A3B) and
+those of benchmarks/ragged_survey.py's models on which the heuristic tiling rated below
+0.95 of the roofline or behind XLA's ragged_dot (Mixtral-8x7B, Qwen3-235B-A22B,
+DeepSeek-V3); on v5e, the headline model's (the survey rates v6e only). Gate/up (gated,
+silu) and down, at m = 512 and 8192 rows, bf16.
 
 Two routings. The headline rates the kernel at *balanced* routing: every group m / G
 rows, aligned with the row tiles. Real routing is not aligned: a group boundary inside
@@ -67,8 +68,14 @@ import jax.numpy as jnp  # noqa: E402
 
 from tpu_kernels import chips, ragged_dot as R, vmem  # noqa: E402
 
-CHIPS = ("v6e",)
-MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3")
+import ragged_estimate  # noqa: E402
+
+MODELS_BY_CHIP = {
+    "v5e": ("qwen3-30b-a3b",),
+    "v6e": ("qwen3-30b-a3b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3"),
+}
+CHIPS = tuple(MODELS_BY_CHIP)
+MODELS = tuple(dict.fromkeys(m for ms in MODELS_BY_CHIP.values() for m in ms))
 ROWS = (512, 8192)
 VMEM_CEILING_BYTES = 64 << 20
 STEP_CYCLES = 600     # rough cost of one grid step; only ranks candidates for rating
@@ -79,9 +86,10 @@ RETRY_MEMORY_BYTES = 20 << 30   # --retry-failed: one rating at a time may take 
 
 
 def grid(chips_: tuple[str, ...] = CHIPS, models: tuple[str, ...] = MODELS) -> list[R.TuningKey]:
+  """The keys of `chips_` x `models` that MODELS_BY_CHIP tunes."""
   keys = []
   for chip in chips_:
-    for model in models:
+    for model in (m for m in models if m in MODELS_BY_CHIP[chip]):
       groups, hidden, width = ragged_survey.MODELS[model]
       for m in ROWS:
         keys.append(R.TuningKey(chip, "bfloat16", 2, m, hidden, width, groups))   # gate/up
@@ -90,7 +98,6 @@ def grid(chips_: tuple[str, ...] = CHIPS, models: tuple[str, ...] = MODELS) -> l
 
 
 def case(key: R.TuningKey, blocks: tuple[int, int, int] | None = None):
-  import ragged_estimate
   return ragged_estimate.GmmCase(key.m_bucket, key.num_groups, key.k, key.n,
                                  key.num_rhs == 2, chip=key.chip, dtype=key.dtype,
                                  blocks=blocks)
@@ -121,7 +128,6 @@ def candidates(key: R.TuningKey) -> list[tuple[int, int, int]]:
 
 
 def balanced_visits(key: R.TuningKey, block_m: int) -> int:
-  import ragged_estimate
   return ragged_estimate.BalancedTable(key.m_bucket, key.num_groups, block_m).num_visits
 
 
@@ -185,7 +191,7 @@ def to_rate(key: R.TuningKey) -> list[tuple[int, int, int]]:
 def rate(key: R.TuningKey, blocks: tuple[int, int, int]) -> dict:
   """One rating, in this process: the balanced prediction from the static estimate, the
   unaligned one extrapolated from it (module doc)."""
-  import estimate
+  import estimate   # here, not above: importing it asks libtpu for the static profile
   c = chips.get_chip(key.chip)
   r = estimate.rate_gmm(case(key, blocks), key.chip)
   balanced, unaligned = balanced_visits(key, blocks[0]), unaligned_visits(key, blocks[0])
@@ -241,21 +247,16 @@ def _rate_in_child(key: R.TuningKey, blocks, heuristic: bool,
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default=str(ROOT / "kernels/tpu_kernels/ragged_dot_tuned.py"))
-  p.add_argument("--log", default=str(ROOT / "benchmarks/results/ragged_tuning.jsonl"))
+  p = tuning.argument_parser(__doc__, ROOT / "kernels/tpu_kernels/ragged_dot_tuned.py",
+                             ROOT / "benchmarks/results/ragged_tuning.jsonl", CHIPS)
   p.add_argument("--key", help=argparse.SUPPRESS)      # internal: rate one candidate
   p.add_argument("--blocks", help=argparse.SUPPRESS)
   p.add_argument("--memory-bytes", type=int, help=argparse.SUPPRESS)
   p.add_argument("--retry-failed", action="store_true",
                  help="re-rate the log's failed ratings one at a time, with a memory cap of "
                       "RETRY_MEMORY_BYTES (the estimator exhausts memory on some blocks)")
-  p.add_argument("--chips", nargs="+", default=list(CHIPS),
-                 help="re-rate these chips; the log's rows for the others are kept")
   p.add_argument("--models", nargs="+", default=list(MODELS),
                  help="re-rate these models' keys; the log's rows for the others are kept")
-  p.add_argument("--from-log", action="store_true",
-                 help="rebuild the table from the ratings already in --log (no estimator)")
   a = p.parse_args(argv)
   if a.key:
     import resource   # some blocks make the estimator take all memory: fail the row instead

@@ -12,6 +12,7 @@ header (docstring, imports) is kept from the current file (`write_table_module`)
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import json
 import os
@@ -87,6 +88,20 @@ def run_child(script: str | Path, args: Iterable[str], *, timeout: float | None 
   if not rows:
     return rows, f"no result: {fatal_line(result.stderr)}"
   return rows, None
+
+
+def argument_parser(doc: str, out: str | Path, log: str | Path,
+                    chips: Iterable[str]) -> argparse.ArgumentParser:
+  """The options every tuner takes: where the table and the log go, which chips to re-rate,
+  and rebuilding the table from the log alone."""
+  p = argparse.ArgumentParser(description=doc.splitlines()[0])
+  p.add_argument("--out", default=str(out))
+  p.add_argument("--log", default=str(log))
+  p.add_argument("--chips", nargs="+", default=list(chips),
+                 help="re-rate these chips; the log's rows for the others are kept")
+  p.add_argument("--from-log", action="store_true",
+                 help="rebuild the table from the ratings already in --log (no estimator)")
+  return p
 
 
 def read_log(path: str | Path) -> list[dict]:
