@@ -77,6 +77,8 @@ MODELS_BY_CHIP = {
 CHIPS = tuple(MODELS_BY_CHIP)
 MODELS = tuple(dict.fromkeys(m for ms in MODELS_BY_CHIP.values() for m in ms))
 ROWS = (512, 8192)
+# The headline model also at a long prefill's rows (8192 tokens x top-8 experts).
+ROWS_BY_MODEL = {"qwen3-30b-a3b": (512, 8192, 65536)}
 VMEM_CEILING_BYTES = 64 << 20
 STEP_CYCLES = 600     # rough cost of one grid step; only ranks candidates for rating
 TOP_RATED = 3
@@ -91,7 +93,7 @@ def grid(chips_: tuple[str, ...] = CHIPS, models: tuple[str, ...] = MODELS) -> l
   for chip in chips_:
     for model in (m for m in models if m in MODELS_BY_CHIP[chip]):
       groups, hidden, width = ragged_survey.MODELS[model]
-      for m in ROWS:
+      for m in ROWS_BY_MODEL.get(model, ROWS):
         keys.append(R.TuningKey(chip, "bfloat16", 2, m, hidden, width, groups))   # gate/up
         keys.append(R.TuningKey(chip, "bfloat16", 1, m, width, hidden, groups))   # down
   return keys
@@ -232,6 +234,33 @@ def table_from_ratings(rows: list[dict]) -> dict[R.TuningKey, tuple[int, int, in
   return table
 
 
+def summary(rows: list[dict]) -> list[str]:
+  """The README's table, from the ratings: per key, efficiency (roofline / prediction) at
+  balanced / unaligned routing of the heuristic's pick and of the table's entry."""
+  table = table_from_ratings(rows)
+  lines = ["| chip | model | m | part | heuristic | tuned | blocks |", "|---|---|---:|---|---|---|---|"]
+  by_shape = {(g, h, w): name for name, (g, h, w) in ragged_survey.MODELS.items()}
+  for key in grid():
+    mine = [r for r in rows if R.TuningKey(*r["key"]) == key and "balanced" in r]
+    own = [r for r in mine if r["heuristic"]]
+    gate_up = key.num_rhs == 2
+    model = by_shape[(key.num_groups, key.k, key.n) if gate_up else (key.num_groups, key.n, key.k)]
+    c, gmm = chips.get_chip(key.chip), case(key)
+    roofline_us = max(gmm.flops() / c.bf16_flops_per_s, gmm.min_bytes() / c.hbm_bytes_per_s) * 1e6
+
+    def efficiency(r):
+      return " / ".join(f"{min(1.0, roofline_us / r[routing]['predicted_us']):.2f}"
+                        for routing in ("balanced", "unaligned"))
+
+    heuristic = efficiency(own[0]) if own else "not rated"
+    entry = table.get(key)
+    tuned = (efficiency(next(r for r in mine if tuple(r["blocks"]) == entry)) if entry
+             else "no entry")
+    lines.append(f"| {key.chip} | {model} | {key.m_bucket} | {'gate/up' if gate_up else 'down'} "
+                 f"| {heuristic} | {tuned} | {entry or ''} |")
+  return lines
+
+
 def _rate_in_child(key: R.TuningKey, blocks, heuristic: bool,
                    memory_bytes: int = ragged_survey.CHILD_MEMORY_BYTES) -> dict:
   found, error = tuning.run_child(__file__, ["--key", json.dumps(dataclasses.astuple(key)),
@@ -257,6 +286,8 @@ def main(argv=None) -> int:
                       "RETRY_MEMORY_BYTES (the estimator exhausts memory on some blocks)")
   p.add_argument("--models", nargs="+", default=list(MODELS),
                  help="re-rate these models' keys; the log's rows for the others are kept")
+  p.add_argument("--summary", action="store_true",
+                 help="print the efficiency table of the log's ratings (the README's) and exit")
   a = p.parse_args(argv)
   if a.key:
     import resource   # some blocks make the estimator take all memory: fail the row instead
@@ -264,6 +295,9 @@ def main(argv=None) -> int:
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     blocks = tuple(int(x) for x in a.blocks.split(","))
     tuning.print_row(rate(R.TuningKey(*json.loads(a.key)), blocks))
+    return 0
+  if a.summary:
+    print("\n".join(summary(tuning.read_log(a.log))))
     return 0
   if a.from_log:
     rows = tuning.read_log(a.log)

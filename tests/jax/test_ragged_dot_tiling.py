@@ -112,3 +112,27 @@ def test_table_is_built_from_the_rated_heuristic_and_a_gain():
   # The best unaligned candidate is slower balanced: the next best that is not wins.
   assert T.table_from_ratings([own, row((8, 256, 256), 80.0, 51.0),
                                row((8, 512, 256), 95.0, 50.0)]) == {key: (8, 512, 256)}
+
+
+def test_summary_rates_against_the_roofline_and_is_the_readme_table():
+  """`tune_ragged_dot.py --summary` divides the roofline by each prediction (capped at 1);
+  the README's table is its output for the shipped log, one row per tuned key."""
+  import tune_ragged_dot as T
+  import tuning
+  key = R.TuningKey("v6e", "bfloat16", 1, 8192, 768, 2048, 128)
+  c, gmm = chips.get_chip(key.chip), T.case(key)
+  roofline_us = max(gmm.flops() / c.bf16_flops_per_s, gmm.min_bytes() / c.hbm_bytes_per_s) * 1e6
+
+  def row(blocks, balanced, unaligned, heuristic=False):
+    return dict(key=list(dataclasses.astuple(key)), blocks=list(blocks), heuristic=heuristic,
+                balanced=dict(predicted_us=balanced), unaligned=dict(predicted_us=unaligned))
+
+  rows = [row((64, 768, 2048), roofline_us, 4 * roofline_us, heuristic=True),
+          row((256, 768, 2048), roofline_us / 2, 2 * roofline_us)]
+  line = next(l for l in T.summary(rows) if "| v6e | qwen3-30b-a3b | 8192 | down |" in l)
+  assert line.endswith("| 1.00 / 0.25 | 1.00 / 0.50 | (256, 768, 2048) |"), line
+
+  shipped = T.summary(tuning.read_log(T.ROOT / "benchmarks/results/ragged_tuning.jsonl"))
+  assert len(shipped) == 2 + len(T.grid())
+  readme = (T.ROOT / "README.md").read_text()
+  assert "\n".join("  " + l for l in shipped) in readme
