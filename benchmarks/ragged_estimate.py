@@ -195,7 +195,7 @@ class GmmCase:
       with visible_table(table, num_v), mock.patch.object(R, "group_metadata", metadata):
         return R._gmm_call(lhs, ops, [], [], None, 0, t, n_out=self.n_out,
                            transpose_rhs=True, epilogue=epilogue, out_dtype=lhs.dtype,
-                           interpret=interpret, num_visits=num_visits)
+                           chip=self.chip, interpret=interpret, num_visits=num_visits)
 
     return fn
 

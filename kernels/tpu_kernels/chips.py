@@ -9,10 +9,15 @@ Sources of the figures (per TensorCore as JAX sees one device):
     ``jax/_src/pallas/mosaic/tpu_info.py`` and Google's public TPU pages.
   * Default scoped-VMEM limit (what Mosaic allows a kernel without a
     ``vmem_limit_bytes`` override): measured with ahead-of-time compiles against
-    libtpu 0.0.42.1 for v5e / v6e / v5p (see tests/test_chips.py).
+    libtpu 0.0.42.1 for v5e / v6e / v5p (checked by tests/jax/test_aot_compile.py::
+    test_default_scoped_vmem_limit_matches_chip_table).
   * SMEM capacity: measured with ahead-of-time compiles (a scalar-prefetched table of
     256Ki int32 overflows "1.00M of 1.00M smem" on v5e and v6e); v7's is assumed equal.
   * Clock: the value the libtpu static cycle estimator uses.
+  * bf16 vector unit: v6e and later compute elementwise bf16 natively; on v5e libtpu
+    0.0.42 works on bf16 as packed int16 (its LLO type check names `vector-int16`
+    where a bf16 select feeds a matmul; v6e's does not). v5p is assumed like v5e,
+    v7 like v6e.
 v7 (Ironwood) cannot be compiled for with libtpu 0.0.42 (no topology); its row
 holds public figures only and ``aot_topology`` is None.
 """
@@ -34,6 +39,8 @@ class Chip:
   default_scoped_vmem_bytes: int     # Mosaic's per-kernel limit without an override
   smem_bytes: int                    # scalar memory: scalar-prefetched tables live here
   mxu_size: int                      # the MXU is mxu_size x mxu_size
+  bf16_vpu: bool                     # the vector unit computes in bf16 (v6e on); older
+                                     # ones work on bf16 as packed 16-bit integers
   clock_hz: float | None             # None where no public / compiler figure exists
   bf16_flops_per_s: float
   hbm_bytes_per_s: float
@@ -59,6 +66,7 @@ CHIPS: dict[str, Chip] = {
             default_scoped_vmem_bytes=16 * MiB,
             smem_bytes=1 * MiB,
             mxu_size=128,
+            bf16_vpu=False,
             clock_hz=1.5e9,
             bf16_flops_per_s=197e12,
             hbm_bytes_per_s=819e9,
@@ -72,6 +80,7 @@ CHIPS: dict[str, Chip] = {
             default_scoped_vmem_bytes=32 * MiB,
             smem_bytes=1 * MiB,
             mxu_size=256,
+            bf16_vpu=True,
             clock_hz=1.75e9,
             bf16_flops_per_s=918e12,
             hbm_bytes_per_s=1640e9,
@@ -85,6 +94,7 @@ CHIPS: dict[str, Chip] = {
             default_scoped_vmem_bytes=16 * MiB,
             smem_bytes=1 * MiB,
             mxu_size=128,
+            bf16_vpu=False,
             clock_hz=1.75e9,
             bf16_flops_per_s=459e12,
             hbm_bytes_per_s=2765e9,
@@ -100,6 +110,7 @@ CHIPS: dict[str, Chip] = {
             default_scoped_vmem_bytes=32 * MiB,
             smem_bytes=1 * MiB,
             mxu_size=256,
+            bf16_vpu=True,
             clock_hz=None,
             bf16_flops_per_s=2.31e15,
             hbm_bytes_per_s=7.4e12,

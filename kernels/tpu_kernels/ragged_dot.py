@@ -38,8 +38,9 @@ adjacent real visit, so they cost a grid step but no DMA.
 
 The k axis is reduced innermost into an f32 VMEM accumulator. A k that is not a
 multiple of block_k is masked on the last k block (on both operands: the part of a
-block past the array end holds stale data, maybe NaN). Partial last blocks along m
-and n are clipped by Pallas on the way out.
+block past the array end holds stale data, maybe NaN; in f32 on chips without a bf16
+vector unit, `_mask_k_tail`). Partial last blocks along m and n are clipped by Pallas
+on the way out.
 
 Backward (`_tgmm`) for d_rhs: grid (k tiles, n tiles, visits) over the local groups
 only (an empty group still gets one visit, which writes its zero gradient); rows of
@@ -456,14 +457,19 @@ def _field(table_ref, field, v, num_v):
   return table_ref[field * num_v + v]
 
 
-def _mask_k_tail(x, axis, k_rem):
-  """Zero the part of the last k block past the array end (stale VMEM, maybe NaN)."""
+def _mask_k_tail(x, axis, k_rem, in_f32):
+  """Zero the part of the last k block past the array end (stale VMEM, maybe NaN).
+  in_f32: select in f32 and round back (exact), for chips without a bf16 vector unit:
+  there a bf16 select yields packed int16 that libtpu's static estimator rejects as a
+  matmul operand (v5e), so no tiling with a k tail could be rated."""
   idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+  if in_f32 and x.dtype == jnp.bfloat16:
+    return jnp.where(idx < k_rem, x.astype(jnp.float32), 0.0).astype(x.dtype)
   return jnp.where(idx < k_rem, x, jnp.zeros_like(x))
 
 
 def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has_scale, has_bias,
-                transpose_rhs, k_rem, block_m, epilogue, compute_dtype):
+                transpose_rhs, k_rem, mask_in_f32, block_m, epilogue, compute_dtype):
   rhs_refs = refs[:num_rhs]
   refs = refs[num_rhs:]
   scale_refs = refs[:num_rhs] if has_scale else ()
@@ -485,13 +491,13 @@ def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has
   def accumulate(masked):
     x = lhs_ref[...]
     if masked:
-      x = _mask_k_tail(x, 1, k_rem)
+      x = _mask_k_tail(x, 1, k_rem, mask_in_f32)
     for rhs_ref, acc in zip(rhs_refs, acc_refs):
       w = rhs_ref[...]
       if w.dtype != compute_dtype:   # int8 / fp8 weights: exact in bf16 and f32
         w = w.astype(compute_dtype)
       if masked:
-        w = _mask_k_tail(w, 1 if transpose_rhs else 0, k_rem)
+        w = _mask_k_tail(w, 1 if transpose_rhs else 0, k_rem, mask_in_f32)
       dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
       acc[...] += jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
@@ -590,11 +596,11 @@ def _gmm(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, *, n_out,
                  vmem_limit_bytes=st.vmem_limit_bytes)
   return _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t,
                    n_out=n_out, transpose_rhs=transpose_rhs, epilogue=epilogue,
-                   out_dtype=out_dtype, interpret=st.interpret)
+                   out_dtype=out_dtype, chip=st.chip, interpret=st.interpret)
 
 
 def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: Tiling, *,
-              n_out, transpose_rhs, epilogue, out_dtype, interpret, num_visits=None):
+              n_out, transpose_rhs, epilogue, out_dtype, chip, interpret, num_visits=None):
   m, k = lhs.shape
   g_local = rhs_ops[0][0].shape[0]
   bm, bk, bn = t.block_m, t.block_k, t.block_n
@@ -634,7 +640,8 @@ def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: T
   kernel = functools.partial(
       _gmm_kernel, num_v=num_v, num_local_groups=g_local, num_rhs=len(rhs_ops),
       has_scale=bool(scale_ops), has_bias=bool(bias_ops), transpose_rhs=transpose_rhs,
-      k_rem=k % bk, block_m=bm, epilogue=epilogue, compute_dtype=lhs.dtype)
+      k_rem=k % bk, mask_in_f32=not chips.get_chip(chip).bf16_vpu, block_m=bm,
+      epilogue=epilogue, compute_dtype=lhs.dtype)
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -745,7 +752,7 @@ def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
     ops = lambda a: [] if a is None else [(a, 0), (a, up)]
     return _gmm_call(lhs, ops(rhs), ops(scale), ops(bias), group_sizes, group_offset, t,
                      n_out=half, transpose_rhs=st.transpose_rhs, epilogue=epilogue,
-                     out_dtype=out_dtype, interpret=st.interpret)
+                     out_dtype=out_dtype, chip=st.chip, interpret=st.interpret)
   if route == "xla_gate":
     z = _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st, epilogue=Epilogue(),
                  out_dtype=jnp.float32)

@@ -66,3 +66,18 @@ def test_ragged_survey_rates_ours_and_xla(tmp_path):
     assert r["predicted_us"] >= r["roofline_us"] * (1 - 1e-9) > 0
     assert 0 < r["efficiency"] <= 1 + 1e-9
   assert all(r["tiling"]["block_m"] == 16 for r in rows if r["implementation"] == "pallas")
+
+
+@pytest.mark.aot
+def test_v5e_estimator_rates_a_k_tail():
+  """A block_k that does not divide k masks the last k block. On v5e (no bf16 vector unit)
+  a bf16 select there fed the MXU packed int16, which libtpu's static-profile pass
+  rejects (the process aborts), so no such tiling could be rated or tuned on v5e; the
+  kernel masks in f32 there (ragged_dot._mask_k_tail). One rating, in a child process."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import tune_ragged_dot as T
+  from tpu_kernels import ragged_dot as R
+  key = R.TuningKey("v5e", "bfloat16", 2, 512, 2048, 768, 128)
+  row = T._rate_in_child(key, (64, 768, 256), heuristic=False)   # 2048 = 2 x 768 + 512
+  assert "error" not in row, row["error"]
+  assert row["balanced"]["estimated_cycles"] > 0
