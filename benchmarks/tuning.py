@@ -51,9 +51,11 @@ def print_row(row: dict) -> None:
 
 def fatal_line(stderr: str) -> str:
   """The line that says why a child died: libtpu's first fatal log line (`F1130 ...`), else
-  the last line naming an error, else the last line."""
+  a C++ allocation failure (libtpu's startup logs an unrelated "Error" line on every CPU
+  machine, which would hide it), else the last line naming an error, else the last line."""
   lines = stderr.strip().splitlines()
   found = [l for l in lines if re.match(r"F\d{4} ", l)][:1] or \
+      [l for l in lines if "bad_alloc" in l][:1] or \
       [l for l in lines if "Error" in l][-1:] or lines[-1:]
   return found[0][:400] if found else ""
 

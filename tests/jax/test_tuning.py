@@ -48,6 +48,19 @@ def test_run_child_reports_libtpu_fatal_line(tmp_path):
   assert error.startswith("exit 134: F1130") and "Check failed: type" in error
 
 
+def test_run_child_reports_an_allocation_failure(tmp_path):
+  # The estimator out of memory: no fatal log line, libtpu's startup "Error" line earlier.
+  child = _script(tmp_path, """
+      print("E0000 common_lib.cc:554] INVALID_ARGUMENT: Error: unexpected worker hostname",
+            file=sys.stderr)
+      print("libc++abi: terminating due to uncaught exception of type std::bad_alloc",
+            file=sys.stderr)
+      sys.exit(134)
+  """)
+  rows, error = tuning.run_child(child, [])
+  assert rows == [] and error.startswith("exit 134: libc++abi") and "bad_alloc" in error
+
+
 def test_run_child_without_a_row_is_an_error(tmp_path):
   child = _script(tmp_path, """
       print("Traceback ...", file=sys.stderr)
