@@ -239,8 +239,7 @@ def finish_row(impl: Implementation, chip_name: str, partial: dict) -> dict:
   row = dict(kernel=case.kernel, case=impl.case, implementation=impl.implementation,
              source=impl.source, chip=chip_name, bound=case.bound,
              target=headline.TARGET_EFFICIENCY[case.bound],
-             roofline_us=max(case.flops() / chip.bf16_flops_per_s,
-                             case.min_bytes() / chip.hbm_bytes_per_s) * 1e6,
+             roofline_us=headline.roofline_us(case, chip),
              compiled=False, error=None)
   row.update(partial)
   cycles = row.get("estimated_cycles")

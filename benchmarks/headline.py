@@ -18,6 +18,12 @@ ITEMSIZE = {"bfloat16": 2, "float32": 4, "int8": 1, "float8_e4m3fn": 1}
 TARGET_EFFICIENCY = {"memory": 0.85, "compute": 0.75}
 
 
+def roofline_us(case, chip) -> float:
+  """max(flops / bf16 peak, min_bytes / HBM bandwidth) in µs: the fastest `case` (anything
+  with flops() and min_bytes()) could run on `chip` (a chips.Chip)."""
+  return max(case.flops() / chip.bf16_flops_per_s, case.min_bytes() / chip.hbm_bytes_per_s) * 1e6
+
+
 @dataclasses.dataclass(frozen=True)
 class RmsNorm:
   rows: int

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "kernels"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import headline  # noqa: E402  (no jax)
 import tuning  # noqa: E402  (no jax)
 
 # (experts, hidden, one expert's intermediate size), from each model's config.json.
@@ -50,8 +51,7 @@ def rate(model: str, m: int, part: str, chip: str, implementation: str) -> dict:
   from tpu_kernels import chips
   case, c = _case(model, m, part, chip), chips.get_chip(chip)
   row = dict(model=model, m=m, part=part, chip=chip, implementation=implementation,
-             roofline_us=max(case.flops() / c.bf16_flops_per_s,
-                             case.min_bytes() / c.hbm_bytes_per_s) * 1e6)
+             roofline_us=headline.roofline_us(case, c))
   if implementation == "pallas":
     r = estimate.rate_gmm(case, chip)
     row.update(tiling=r["tiling"], compute_us=r["estimated_cycles"] / c.clock_hz * 1e6,

@@ -69,6 +69,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from tpu_kernels import chips, ragged_dot as R, vmem  # noqa: E402
 
+import headline  # noqa: E402
 import ragged_estimate  # noqa: E402
 
 MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3")
@@ -209,6 +210,12 @@ def rate(key: R.TuningKey, blocks: tuple[int, int, int]) -> dict:
   return row
 
 
+def _rated(rows: list[dict], key: R.TuningKey) -> tuple[list[dict], dict | None]:
+  """The key's successful ratings, and among them the heuristic's pick (None if unrated)."""
+  mine = [r for r in rows if R.TuningKey(*r["key"]) == key and "balanced" in r]
+  return mine, next((r for r in mine if r["heuristic"]), None)
+
+
 def table_from_ratings(rows: list[dict]) -> dict[R.TuningKey, tuple[int, int, int]]:
   """Per key, among the rated candidates no slower than the heuristic's pick at balanced
   routing, the best at unaligned routing, where it beats the heuristic's there by
@@ -219,11 +226,9 @@ def table_from_ratings(rows: list[dict]) -> dict[R.TuningKey, tuple[int, int, in
 
   table = {}
   for key in grid():
-    mine = [r for r in rows if R.TuningKey(*r["key"]) == key and "balanced" in r]
-    own = [r for r in mine if r["heuristic"]]
-    if not own:
+    mine, own = _rated(rows, key)
+    if own is None:
       continue
-    own = own[0]
     no_slower = [r for r in mine
                  if r["balanced"]["predicted_us"] <= own["balanced"]["predicted_us"]]
     best = min(no_slower, key=cost)
@@ -239,18 +244,16 @@ def summary(rows: list[dict]) -> list[str]:
   lines = ["| chip | model | m | part | heuristic | tuned | blocks |", "|---|---|---:|---|---|---|---|"]
   by_shape = {(g, h, w): name for name, (g, h, w) in ragged_survey.MODELS.items()}
   for key in grid():
-    mine = [r for r in rows if R.TuningKey(*r["key"]) == key and "balanced" in r]
-    own = [r for r in mine if r["heuristic"]]
+    mine, own = _rated(rows, key)
     gate_up = key.num_rhs == 2
     model = by_shape[(key.num_groups, key.k, key.n) if gate_up else (key.num_groups, key.n, key.k)]
-    c, gmm = chips.get_chip(key.chip), case(key)
-    roofline_us = max(gmm.flops() / c.bf16_flops_per_s, gmm.min_bytes() / c.hbm_bytes_per_s) * 1e6
+    roofline_us = headline.roofline_us(case(key), chips.get_chip(key.chip))
 
     def efficiency(r):
       return " / ".join(f"{min(1.0, roofline_us / r[routing]['predicted_us']):.2f}"
                         for routing in ("balanced", "unaligned"))
 
-    heuristic = efficiency(own[0]) if own else "not rated"
+    heuristic = efficiency(own) if own else "not rated"
     entry = table.get(key)
     tuned = (efficiency(next(r for r in mine if tuple(r["blocks"]) == entry)) if entry
              else "no entry")

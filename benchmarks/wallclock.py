@@ -359,8 +359,7 @@ def bench_case(case, *, smoke: bool, chip: str, warmup: int, repeats: int,
                times_us=[round(t, 3) for t in timing.times_us],
                tflops_per_s=run.flops() / seconds / 1e12, gb_per_s=run.min_bytes() / seconds / 1e9)
     if peak is not None:
-      roofline_us = max(run.flops() / peak.bf16_flops_per_s,
-                        run.min_bytes() / peak.hbm_bytes_per_s) * 1e6
+      roofline_us = headline.roofline_us(run, peak)
       row.update(roofline_us=roofline_us, roofline_fraction=roofline_us / timing.median_us)
     rows.append(row)
   kernel_row, baseline = rows[0], impls[1].name
