@@ -1,6 +1,6 @@
 """Tunes flash attention's (block_q, block_k) with libtpu's static estimate; writes the table.
 
-    python benchmarks/tune_flash_attention.py [--out kernels/tpu_kernels/flash_attention_tuned.py]
+    python benchmarks/tune_flash_attention.py [--chips v6e] [--from-log]
 
 For every key of the grid below (chip, dtype, head_dim, group, sequence bucket: causal
 self-attention without a window, i.e. prefill), each (block_q, block_k) pair of
@@ -14,7 +14,8 @@ MAX_RATED_SEQ for longer
 buckets (the estimator unrolls every grid step; per visited tile the cost is the same,
 so the ranking carries over). Backward kernels use the same blocks; the rating is the
 forward's (the inference path). Every rating goes to benchmarks/results/flash_tuning.jsonl,
-the winners to the generated table module, which ships with the kernel. Static estimates,
+the winners to the generated tables (kernels/tpu_kernels/tuned/flash_attention.<chip>.json),
+which ship with the kernel. Static estimates,
 not measurements. Each (chip, head_dim, length) is rated in its own subprocess (the
 estimator's memory grows with every compile of a process); if the estimator aborts that
 process, each pair is re-rated alone, and a key with any pair left unrated keeps the
@@ -48,6 +49,16 @@ import jax.numpy as jnp  # noqa: E402
 from tpu_kernels import chips, flash_attention as F, vmem  # noqa: E402
 
 CHIPS = ("v5e", "v6e")
+TABLE_ABOUT = [
+    "(block_q, block_k, vmem_limit_bytes) of flash attention for causal self-attention "
+    "without a window, per key: the pair with the fewest cycles in libtpu's static estimate "
+    "of the forward (rated on its MHA program, one head; see "
+    "benchmarks/tune_flash_attention.py), with the scoped-VMEM limit its plan needs (the "
+    "chip's default, or more).",
+    "Static estimates, not measurements: nothing here ran on a TPU.",
+    "Keys are produced by flash_attention.tuning_key (tests/jax/test_flash_attention_tiling.py "
+    "checks every one).",
+]
 DTYPES = ("bfloat16",)
 HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 4, 8)
@@ -140,8 +151,7 @@ def rate_jobs(jobs: dict[tuple, set]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  p = tuning.argument_parser(__doc__, ROOT / "kernels/tpu_kernels/flash_attention_tuned.py",
-                             ROOT / "benchmarks/results/flash_tuning.jsonl", CHIPS)
+  p = tuning.argument_parser(__doc__, ROOT / "benchmarks/results/flash_tuning.jsonl", CHIPS)
   p.add_argument("--rate", help=argparse.SUPPRESS)   # internal: one rating job, ROW lines
   a = p.parse_args(argv)
   if a.rate:
@@ -162,9 +172,8 @@ def main(argv=None) -> int:
   ratings = {(r["chip"], r["dtype"], r["head_dim"], r["seq"], r["block_q"], r["block_k"]):
              r["estimated_cycles"] for r in rows if r["compiled"] and r["estimated_cycles"]}
   table = {dataclasses.astuple(k): v for k, v in table_from_ratings(ratings).items()}
-  tuning.write_table_module(a.out, "BLOCKS", "dict[tuple[str, str, int, int, int], "
-                            "tuple[int, int, int]]", table)
-  print(f"wrote {a.out} ({len(table)} entries)")
+  tuning.write_tables(a.out, __file__, "flash_attention", F.TuningKey, F.TUNED_VALUE_FIELDS,
+                      table, CHIPS, TABLE_ABOUT)
   return 0
 
 

@@ -1,6 +1,6 @@
 """Tunes paged attention's decode block_kv with libtpu's static estimate; writes the table.
 
-    python benchmarks/tune_paged_attention.py [--out kernels/tpu_kernels/paged_attention_tuned.py]
+    python benchmarks/tune_paged_attention.py [--chips v6e] [--from-log]
 
 For every key of the grid below (chip, cache dtype, page size, head_dim, KV heads), each
 block_kv candidate that the kernel allows (a multiple of the page size, at most 64 pages,
@@ -8,7 +8,8 @@ within the VMEM budget) is rated with benchmarks/paged_estimate.py on a uniform 
 batch (G = 4 query heads per KV head, 8192 tokens of context); the candidate with the
 fewest estimated cycles wins (ties: the larger block, fewer grid steps). Every
 candidate's estimate goes to benchmarks/results/paged_tuning.jsonl, and the winners to
-the generated table module, which ships with the kernel. Static estimates, not
+the generated tables (kernels/tpu_kernels/tuned/paged_attention.<chip>.json), which ship
+with the kernel. Static estimates, not
 measurements. About 15 minutes. Each candidate is rated in its own subprocess: the estimator's
 memory grows with every compile of a process (one process rating the whole grid reached
 22 GB and was killed).
@@ -41,6 +42,14 @@ import jax.numpy as jnp  # noqa: E402
 from tpu_kernels import chips, paged_attention as PA, vmem  # noqa: E402
 
 CHIPS = ("v5e", "v6e")
+TABLE_ABOUT = [
+    "block_kv of ragged paged attention for decode (block_q 1), per key: the candidate with "
+    "the fewest cycles in libtpu's static estimate of a uniform decode batch (8192 tokens of "
+    "context, 64 sequences, extrapolated from 2 and 4; see benchmarks/paged_estimate.py).",
+    "Static estimates, not measurements: nothing here ran on a TPU.",
+    "Keys are produced by paged_attention.tuning_key (tests/jax/test_paged_attention_tiling.py "
+    "checks every one).",
+]
 CONTEXT = 8192
 GROUP = 4
 
@@ -90,8 +99,7 @@ def table_from_ratings(rows: list[dict]) -> dict[PA.TuningKey, int]:
 
 
 def main(argv=None) -> int:
-  p = tuning.argument_parser(__doc__, ROOT / "kernels/tpu_kernels/paged_attention_tuned.py",
-                             ROOT / "benchmarks/results/paged_tuning.jsonl", CHIPS)
+  p = tuning.argument_parser(__doc__, ROOT / "benchmarks/results/paged_tuning.jsonl", CHIPS)
   p.add_argument("--key", help=argparse.SUPPRESS)   # internal: rate one key, print JSON lines
   p.add_argument("--block-kv", type=int, help=argparse.SUPPRESS)   # ... at this candidate
   a = p.parse_args(argv)
@@ -114,9 +122,8 @@ def main(argv=None) -> int:
               f"{row.get('error') or ''}", flush=True)
     tuning.write_log(a.log, rows)
   table = {dataclasses.astuple(k): v for k, v in table_from_ratings(rows).items()}
-  tuning.write_table_module(a.out, "BLOCK_KV", "dict[tuple[str, str, int, int, int], int]",
-                            table)
-  print(f"wrote {a.out} ({len(table)} entries)")
+  tuning.write_tables(a.out, __file__, "paged_attention", PA.TuningKey, PA.TUNED_VALUE_FIELDS,
+                      table, CHIPS, TABLE_ABOUT)
   return 0
 
 

@@ -1,6 +1,6 @@
 """Tunes the grouped matmul's forward blocks with libtpu's static estimate; writes the table.
 
-    python benchmarks/tune_ragged_dot.py [--chips v6e] [--models ...] [--retry-failed]
+    python benchmarks/tune_ragged_dot.py [--chips v6e] [--models ...] [--retry-failed] [--summary]
 
 Grid (`MODELS_BY_CHIP`): the headline model's expert shapes (Qwen3-30B-A3B) and those
 of benchmarks/ragged_survey.py's models on which the heuristic tiling rated below 0.95
@@ -84,6 +84,19 @@ TOP_RATED = 3
 MIN_GAIN = 0.01
 WORKERS = 2           # ratings in parallel (each compile is single-threaded)
 RETRY_MEMORY_BYTES = 20 << 30   # --retry-failed: one rating at a time may take more
+TABLE_ABOUT = [
+    "Forward grouped-matmul blocks (block_m, block_k, block_n) per key.",
+    "Each rated candidate has two predictions, max(cycles / clock, bytes moved / HBM "
+    "bandwidth), from libtpu's static estimate (benchmarks/ragged_estimate.py): at balanced "
+    "routing (groups aligned with the row tiles, as the headline rates) and at unaligned "
+    "routing (every group boundary inside a row tile).",
+    "The entry is the candidate no slower than the heuristic tiling at balanced routing that "
+    "is fastest at unaligned routing, kept only where it beats the heuristic's unaligned "
+    "prediction by at least 1% (benchmarks/tune_ragged_dot.py).",
+    "Static estimates, not measurements: nothing here ran on a TPU.",
+    "Keys are produced by ragged_dot.tuning_key (tests/jax/test_ragged_dot_tiling.py checks "
+    "every one).",
+]
 
 
 def grid(chips_: tuple[str, ...] = CHIPS, models: tuple[str, ...] = MODELS) -> list[R.TuningKey]:
@@ -169,7 +182,7 @@ def modelled_seconds(key: R.TuningKey, blocks: tuple[int, int, int], visits: int
 
 def heuristic_blocks(key: R.TuningKey) -> tuple[int, int, int]:
   """The heuristic's pick, whatever the shipped table holds."""
-  with mock.patch.dict(R.ragged_dot_tuned.BLOCKS, clear=True):
+  with mock.patch.dict(R.TUNED_BLOCKS, clear=True):
     tiling = case(key).tiling()
   return tiling.block_m, tiling.block_k, tiling.block_n
 
@@ -277,8 +290,7 @@ def _rate_in_child(key: R.TuningKey, blocks, heuristic: bool,
 
 
 def main(argv=None) -> int:
-  p = tuning.argument_parser(__doc__, ROOT / "kernels/tpu_kernels/ragged_dot_tuned.py",
-                             ROOT / "benchmarks/results/ragged_tuning.jsonl", CHIPS)
+  p = tuning.argument_parser(__doc__, ROOT / "benchmarks/results/ragged_tuning.jsonl", CHIPS)
   p.add_argument("--key", help=argparse.SUPPRESS)      # internal: rate one candidate
   p.add_argument("--blocks", help=argparse.SUPPRESS)
   p.add_argument("--memory-bytes", type=int, help=argparse.SUPPRESS)
@@ -316,10 +328,8 @@ def main(argv=None) -> int:
       rows += list(pool.map(lambda job: _rate_in_child(*job), jobs))
     tuning.write_log(a.log, rows)
   table = {dataclasses.astuple(k): v for k, v in table_from_ratings(rows).items()}
-  tuning.write_table_module(a.out, "BLOCKS",
-                            "dict[tuple[str, str, int, int, int, int, int], tuple[int, int, int]]",
-                            table)
-  print(f"wrote {a.out} ({len(table)} entries)")
+  tuning.write_tables(a.out, __file__, "ragged_dot", R.TuningKey, R.TUNED_VALUE_FIELDS, table,
+                      CHIPS, TABLE_ABOUT)
   return 0
 
 

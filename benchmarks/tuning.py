@@ -6,8 +6,8 @@ compile of a process. A child prints each result as one `ROW {json}` line on std
 `run_child` collects them, and on failure returns the first fatal log line as the error.
 
 The tuners log every rating as JSON lines (`read_log`, `write_log`; re-rating some chips
-keeps the other chips' rows) and write their winners as a generated Python module whose
-header (docstring, imports) is kept from the current file (`write_table_module`).
+keeps the other chips' rows) and write their winners as the kernel's per-chip JSON tables
+(`write_tables`; the format and its reader: kernels/tpu_kernels/tuning_tables.py).
 """
 
 from __future__ import annotations
@@ -92,12 +92,13 @@ def run_child(script: str | Path, args: Iterable[str], *, timeout: float | None 
   return rows, None
 
 
-def argument_parser(doc: str, out: str | Path, log: str | Path,
-                    chips: Iterable[str]) -> argparse.ArgumentParser:
-  """The options every tuner takes: where the table and the log go, which chips to re-rate,
-  and rebuilding the table from the log alone."""
+def argument_parser(doc: str, log: str | Path, chips: Iterable[str]) -> argparse.ArgumentParser:
+  """The options every tuner takes: where the tables and the log go, which chips to
+  re-rate, and rebuilding the tables from the log alone."""
+  from tpu_kernels import tuning_tables   # kernels/ is on sys.path in every tuner
   p = argparse.ArgumentParser(description=doc.splitlines()[0])
-  p.add_argument("--out", default=str(out))
+  p.add_argument("--out", default=str(tuning_tables.TABLES_DIR),
+                 help="directory of the <kernel>.<chip>.json tables (default: the kernels')")
   p.add_argument("--log", default=str(log))
   p.add_argument("--chips", nargs="+", default=list(chips),
                  help="re-rate these chips; the log's rows for the others are kept")
@@ -122,13 +123,13 @@ def kept_rows(path: str | Path, replaced: Callable[[dict], bool]) -> list[dict]:
   return [r for r in read_log(path) if not replaced(r)]
 
 
-def write_table_module(path: str | Path, table_name: str, annotation: str,
-                       entries: dict[tuple, object]) -> None:
-  """Rewrites the generated module at `path`: its text up to `<table_name>:` is kept, the
-  table is written sorted by key, one entry per line."""
-  path = Path(path)
-  head = path.read_text().split(f"{table_name}:")[0]
-  lines = [f"{head}{table_name}: {annotation} = {{"]
-  lines += [f"    {key!r}: {entries[key]!r}," for key in sorted(entries)]
-  lines.append("}")
-  path.write_text("\n".join(lines) + "\n")
+def write_tables(out_dir: str | Path, tuner_file: str, kernel: str, key_type,
+                 value_fields: tuple[str, ...], table: dict[tuple, object],
+                 chips: Iterable[str], about: list[str]) -> None:
+  """Writes `table` ({(chip, *key): value}) as `kernel`'s JSON table per chip of `chips`
+  into `out_dir` (tuning_tables.write), naming `tuner_file` as their generator."""
+  from tpu_kernels import tuning_tables   # kernels/ is on sys.path in every tuner
+  paths = tuning_tables.write(Path(out_dir), kernel, key_type, value_fields, table,
+                              chips=tuple(chips), about=about,
+                              generated_by=f"python benchmarks/{Path(tuner_file).name}")
+  print(f"wrote {', '.join(str(p) for p in paths)} ({len(table)} entries)")

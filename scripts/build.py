@@ -11,7 +11,8 @@ For a kernel `rms-norm-tpu` with torch package `rms_norm_tpu`, dist/rms-norm-tpu
         __init__.py, layers.py, ...    from torch-ext/rms_norm_tpu/
         _ops.py                        generated: the op namespace of this build
         _shim/                         vendored from torch-ext/tpu_shim/
-        tpu_kernels/                   vendored from kernels/tpu_kernels/ (listed modules)
+        tpu_kernels/                   vendored from kernels/tpu_kernels/ (listed modules, and
+                                       their tuned/<module>.<chip>.json tables)
     build/torch-tpu/, build/torch-cpu/ the same package plus metadata.json, one per backend
 
 The op namespace is `_<package>_v<major>_<hash>`, the hash taken over the package's
@@ -117,16 +118,15 @@ def _metadata(hub_name: str, kernel: dict, namespace: str, backend: str) -> dict
   }
 
 
-def _assemble_package(hub_name: str, kernel: dict, collection: dict, dest: Path) -> str:
+def _assemble_package(hub_name: str, manifest: dict, dest: Path) -> str:
   """Writes the vendored torch package to `dest` and returns its op namespace."""
+  collection, kernel = manifest["collection"], manifest["kernel"][hub_name]
   package = _python_name(hub_name)
   shutil.copytree(ROOT / kernel["torch-package"], dest, ignore=_SKIP)
   shutil.copytree(ROOT / collection["shim-sources"], dest / "_shim", ignore=_SKIP)
-  kernels_dest = dest / "tpu_kernels"
-  kernels_dest.mkdir()
-  kernel_sources = ROOT / collection["kernel-sources"]
-  for module in ["__init__", *kernel["kernel-modules"]]:
-    shutil.copy2(kernel_sources / f"{module}.py", kernels_dest / f"{module}.py")
+  for rel, source in release.kernel_sources(hub_name, manifest, ROOT).items():
+    (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(source, dest / rel)
   namespace = f"_{package}_v{kernel['version']}_{_content_hash(dest)}"
   (dest / "_ops.py").write_text(_ops_py(namespace))
   return namespace
@@ -261,7 +261,7 @@ def build_kernel(hub_name: str, manifest: dict, out_dir: Path) -> Path:
 
   commit = release.git_head(ROOT)
   dirty = release.git_dirty_paths(release.build_inputs(hub_name, manifest), ROOT)
-  namespace = _assemble_package(hub_name, kernel, collection, repo / "torch-ext" / package)
+  namespace = _assemble_package(hub_name, manifest, repo / "torch-ext" / package)
   for backend in kernel["backends"]:
     variant = repo / "build" / f"torch-{backend}"
     shutil.copytree(repo / "torch-ext" / package, variant)

@@ -187,9 +187,8 @@ def tuned_programs(chip: str, directions=("bwd",)) -> list[Program]:
   count; this choice makes an entry the default shapes already use the very same program
   as theirs (32 / 8 heads, the longest default length of that tiling, as
   tests/jax/aot_pool.largest_per_kernel picks), compiled once."""
-  from tpu_kernels import flash_attention_tuned
   buckets = {}
-  for (c, dtype, head_dim, group, seq), blocks in flash_attention_tuned.BLOCKS.items():
+  for (c, dtype, head_dim, group, seq), blocks in FA.TUNED_BLOCKS.items():
     if c == chip:
       buckets.setdefault((head_dim, group, dtype, blocks), []).append(seq)
   out = []

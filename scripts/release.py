@@ -151,6 +151,20 @@ def tree_files(folder: Path, skip=("__pycache__",)) -> dict[str, Path]:
           if p.is_file() and not any(s in p.parts for s in skip) and p.suffix != ".pyc"}
 
 
+def kernel_sources(hub_name: str, manifest: dict, root: Path = ROOT) -> dict[str, Path]:
+  """Vendored path -> source file of the kernel's pure-JAX part: `tpu_kernels/` with
+  every module listed in `kernel-modules` and each one's tuning tables
+  (`tuned/<module>.<chip>.json`, read by tuning_tables.py)."""
+  collection, kernel = manifest["collection"], manifest["kernel"][hub_name]
+  sources = root / collection["kernel-sources"]
+  files = {}
+  for module in ["__init__", *kernel["kernel-modules"]]:
+    files[f"tpu_kernels/{module}.py"] = sources / f"{module}.py"
+    for table in sorted((sources / "tuned").glob(f"{module}.*.json")):
+      files[f"tpu_kernels/tuned/{table.name}"] = table
+  return files
+
+
 def package_sources(hub_name: str, manifest: dict, root: Path = ROOT) -> dict[str, Path]:
   """Vendored path -> source file, exactly the files build.py copies into the package
   before it writes `_ops.py` (their hash is the package's content hash)."""
@@ -162,9 +176,7 @@ def package_sources(hub_name: str, manifest: dict, root: Path = ROOT) -> dict[st
   for rel, path in tree_files(root / collection["shim-sources"]).items():
     if Path(rel).name != "CARD.md":
       files[f"_shim/{rel}"] = path
-  sources = root / collection["kernel-sources"]
-  for module in ["__init__", *kernel["kernel-modules"]]:
-    files[f"tpu_kernels/{module}.py"] = sources / f"{module}.py"
+  files.update(kernel_sources(hub_name, manifest, root))
   return files
 
 
@@ -221,7 +233,7 @@ def build_inputs(hub_name: str, manifest: dict, root: Path = ROOT) -> list[str]:
   collection, kernel = manifest["collection"], manifest["kernel"][hub_name]
   paths = [kernel["torch-package"], collection["shim-sources"], "build.toml", "flake.nix",
            f"changelog/{hub_name}.md", "benchmarks/results/estimates.md"]
-  paths += [f"{collection['kernel-sources']}/{m}.py" for m in ["__init__", *kernel["kernel-modules"]]]
+  paths += [p.relative_to(root).as_posix() for p in kernel_sources(hub_name, manifest, root).values()]
   if "card" in kernel:
     paths.append(kernel["card"])
   return paths

@@ -99,7 +99,7 @@ import numpy as np
 
 from . import attention_common as common
 from . import chips
-from . import flash_attention_tuned
+from . import tuning_tables
 from . import vmem
 
 FLOAT_DTYPES = common.FLOAT_DTYPES
@@ -176,13 +176,18 @@ def _plan_bytes(block_q, block_k, head_dim, group, itemsize):
 
 @dataclasses.dataclass(frozen=True, order=True)
 class TuningKey:
-  """A bucket of the tuning table (flash_attention_tuned.BLOCKS)."""
+  """A bucket of the tuning table (tuned/flash_attention.<chip>.json)."""
 
   chip: str
   dtype: str
   head_dim: int       # D rounded up to 64, 128 or 256
   group: int          # G rounded up to a power of two, 1 to 16
   seq: int            # Sq = Skv rounded up to a power of two, 1024 to 65536
+
+
+TUNED_VALUE_FIELDS = ("block_q", "block_k", "vmem_limit_bytes")
+# {(chip, dtype, head_dim, group, seq): (block_q, block_k, vmem_limit_bytes)}
+TUNED_BLOCKS = tuning_tables.load("flash_attention", TuningKey, TUNED_VALUE_FIELDS)
 
 
 _HEAD_DIM_BUCKETS = (64, 128, 256)
@@ -209,8 +214,7 @@ def tuned_blocks(key: TuningKey | None) -> tuple[int, int, int] | None:
   """The table's (block_q, block_k, vmem_limit_bytes) for a key, or None."""
   if key is None:
     return None
-  return flash_attention_tuned.BLOCKS.get(
-      (key.chip, key.dtype, key.head_dim, key.group, key.seq))
+  return TUNED_BLOCKS.get(dataclasses.astuple(key))
 
 
 def _tuned_tiling(entry: tuple[int, int, int] | None, q_cands, k_cands, plan, chip_: chips.Chip,
@@ -234,7 +238,7 @@ def attention_tiling(q_len: int, kv_len: int, head_dim: int, *, group: int, dtyp
   """block_q / block_k for all three kernels from the chip's VMEM budget.
 
   Causal self-attention with no window takes the tuning table's entry when it has one
-  for the shape's bucket and it is a valid block pair here (flash_attention_tuned.py,
+  for the shape's bucket and it is a valid block pair here (tuned/flash_attention.<chip>.json,
   from libtpu's static estimates): its blocks under its scoped-VMEM limit (which may be
   above the chip's default), or under the caller's limit if one is given and the plan
   fits it. Otherwise, among the pairs whose plan fits: the largest smaller side

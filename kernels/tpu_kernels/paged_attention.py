@@ -88,7 +88,7 @@ import numpy as np
 
 from . import attention_common as common
 from . import chips
-from . import paged_attention_tuned
+from . import tuning_tables
 from . import vmem
 
 FLOAT_DTYPES = common.FLOAT_DTYPES
@@ -154,13 +154,18 @@ def _default_block_q(num_tokens: int, num_seqs: int, group: int, chip: chips.Chi
 
 @dataclasses.dataclass(frozen=True, order=True)
 class TuningKey:
-  """The bucket of a decode call shape in the tuning table (paged_attention_tuned.py)."""
+  """The bucket of a decode call shape in the tuning table (tuned/paged_attention.<chip>.json)."""
 
   chip: str
   kv_dtype: str       # the cache dtype's name
   page_size: int      # exact: 16, 32, 64, 128 or 256
   head_dim: int       # D rounded up to 64, 128 or 256
   num_kv_heads: int   # Hkv rounded up to a power of two, 1 to 16
+
+
+TUNED_VALUE_FIELDS = ("block_kv",)
+# {(chip, kv_dtype, page_size, head_dim, num_kv_heads): block_kv}
+TUNED_BLOCK_KV = tuning_tables.load("paged_attention", TuningKey, TUNED_VALUE_FIELDS)
 
 
 TUNED_PAGE_SIZES = (16, 32, 64, 128, 256)
@@ -185,8 +190,7 @@ def tuned_block_kv(chip: str, kv_dtype, page_size: int, head_dim: int,
                    num_kv_heads: int) -> int | None:
   """The table's block_kv for a decode shape, or None."""
   key = tuning_key(chip, kv_dtype, page_size, head_dim, num_kv_heads)
-  return None if key is None else paged_attention_tuned.BLOCK_KV.get(
-      (key.chip, key.kv_dtype, key.page_size, key.head_dim, key.num_kv_heads))
+  return None if key is None else TUNED_BLOCK_KV.get(dataclasses.astuple(key))
 
 
 def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: int,
@@ -198,7 +202,7 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
 
   block_q: about the mean new tokens per sequence (1 for decode), see _default_block_q.
   block_kv: for decode (block_q 1), the tuning table's entry when it has one and it fits
-  (paged_attention_tuned.py, from libtpu's static estimates); otherwise the largest
+  (tuned/paged_attention.<chip>.json, from libtpu's static estimates); otherwise the largest
   candidate (a multiple of page_size, at most 64 pages, no longer than a sequence's
   pages) whose plan fits the VMEM budget. items_per_call: all items when their tables
   fit the SMEM budget, else as many as fit (an explicit items_per_call may only lower

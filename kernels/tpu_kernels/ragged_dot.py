@@ -50,7 +50,7 @@ Tiles come from the chip's VMEM budget (`gmm_tiling`, `tgmm_tiling`): the whole 
 in one block when it fits (weights are then fetched once per group and n tile),
 block_m near the mean group size (few wasted MXU rows at decode), block_n as large
 as the budget allows in multiples of 256 (the v6e MXU width). For the shapes in the
-tuning table (`ragged_dot_tuned.py`, written by benchmarks/tune_ragged_dot.py from
+tuning tables (`tuned/ragged_dot.<chip>.json`, written by benchmarks/tune_ragged_dot.py from
 libtpu's static estimates) the forward takes the table's blocks instead.
 """
 
@@ -67,7 +67,7 @@ from jax.experimental.pallas import tpu as pltpu
 import numpy as np
 
 from . import chips
-from . import ragged_dot_tuned
+from . import tuning_tables
 from . import vmem
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -198,7 +198,7 @@ def _best_blocks(bm_cands, k_cands, n_cands, n, plan, budget):
 
 @dataclasses.dataclass(frozen=True, order=True)
 class TuningKey:
-  """The bucket of a forward call shape in the tuning table (ragged_dot_tuned.py)."""
+  """The bucket of a forward call shape in the tuning table (tuned/ragged_dot.<chip>.json)."""
 
   chip: str
   dtype: str          # the one dtype of lhs, weights and output
@@ -207,6 +207,11 @@ class TuningKey:
   k: int
   n: int              # output columns per weight column set (I for gate/up)
   num_groups: int     # local groups
+
+
+TUNED_VALUE_FIELDS = ("block_m", "block_k", "block_n")
+# {(chip, dtype, num_rhs, m_bucket, k, n, num_groups): (block_m, block_k, block_n)}
+TUNED_BLOCKS = tuning_tables.load("ragged_dot", TuningKey, TUNED_VALUE_FIELDS)
 
 
 def tuning_key(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs,
@@ -224,7 +229,7 @@ def tuned_blocks(m, k, n, **key_args) -> tuple[int, int, int] | None:
   """The table's (block_m, block_k, block_n) for a forward call (`tuning_key`'s
   arguments), or None."""
   key = tuning_key(m, k, n, **key_args)
-  return None if key is None else ragged_dot_tuned.BLOCKS.get(dataclasses.astuple(key))
+  return None if key is None else TUNED_BLOCKS.get(dataclasses.astuple(key))
 
 
 def _resolve_limit(chip, plan_bytes_min, vmem_limit_bytes):

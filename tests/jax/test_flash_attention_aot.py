@@ -45,7 +45,7 @@ from aot_pool import check_compiled, largest_per_kernel, module_compiles
 from flash_attention_cases import (AOT_CHIPS, FEATURE_CONFIGS, HEAD_DIMS, Program,
                                    compile_case, default_config, default_programs,
                                    feature_programs, tuned_programs)
-from tpu_kernels import aot, chips, flash_attention_tuned
+from tpu_kernels import aot, chips, flash_attention
 
 pytestmark = pytest.mark.aot
 
@@ -127,13 +127,13 @@ def test_feature_programs_compile(compiles, chip, record_property):
   check_compiled(compiles[group], group[2], _check, record_property)
 
 
-@pytest.mark.parametrize("chip", sorted({key[0] for key in flash_attention_tuned.BLOCKS}))
+@pytest.mark.parametrize("chip", sorted({key[0] for key in flash_attention.TUNED_BLOCKS}))
 def test_tuning_table_entries_compile(compiles, chip, record_property):
   """Every (head_dim, group, blocks, VMEM limit) of the chip's tuning table, backward
   (fwd + dq + dkv), compiles under the scoped-VMEM limit of its entry."""
   group = ("tuned", None, chip)
   programs = [p for p, _ in compiles[group]]
-  table = {(k[2], k[3], entry) for k, entry in flash_attention_tuned.BLOCKS.items()
+  table = {(k[2], k[3], entry) for k, entry in flash_attention.TUNED_BLOCKS.items()
            if k[0] == chip}
   tilings = {p: p.tiling(chip) for p in programs}
   assert {(p.config.head_dim, p.config.group, (t.block_q, t.block_k, t.vmem_limit_bytes))

@@ -5,9 +5,9 @@ and fit the VMEM budget, and shapes outside the table keep the heuristic. Pure P
 import jax.numpy as jnp
 import pytest
 
-from tpu_kernels import chips, flash_attention as F, flash_attention_tuned, vmem
+from tpu_kernels import chips, flash_attention as F, vmem
 
-TABLE = flash_attention_tuned.BLOCKS
+TABLE = F.TUNED_BLOCKS
 ENTRIES = sorted(TABLE)
 
 

@@ -4,7 +4,7 @@ The matrix (scripts/paged_attention_cases.py): decode at batch {1, 64, 256} x co
 {2k, 32k, 128k} x heads {32/8, 64/8, 16/1} x head_dim {64, 128, 256}, page size 16, bf16;
 plus feature programs (mixed prefill + decode with window / soft-cap / sinks, prefill
 only, int8 and fp8 caches, page size 256, f32), and one decode program per entry of the
-tuning table (kernels/tpu_kernels/paged_attention_tuned.py). Each program is compiled by libtpu
+tuning table (kernels/tpu_kernels/tuned/paged_attention.<chip>.json). Each program is compiled by libtpu
 (Mosaic, then LLO), which rejects illegal blocks and VMEM or SMEM overflow. Checked per
 program: it compiles; it holds exactly one Mosaic kernel, `ragged_paged_attention`
 (the SMEM-chunked cases run that one kernel in a loop); it compiled under the scoped-VMEM
@@ -30,7 +30,7 @@ from aot_pool import check_compiled, largest_per_kernel, module_compiles
 from paged_attention_cases import (AOT_CHIPS, BATCHES, CONTEXTS, FEATURE_CONFIGS, HEAD_DIMS,
                                    HEADS, Config, Program, compile_case, default_programs,
                                    feature_programs)
-from tpu_kernels import chips, paged_attention as PA, paged_attention_tuned, vmem
+from tpu_kernels import chips, paged_attention as PA, vmem
 
 pytestmark = pytest.mark.aot
 
@@ -119,13 +119,13 @@ def test_feature_programs_compile(compiles, chip, record_property):
   check_compiled(compiles[group], group[3], _check, record_property)
 
 
-@pytest.mark.parametrize("entry", sorted(paged_attention_tuned.BLOCK_KV),
+@pytest.mark.parametrize("entry", sorted(PA.TUNED_BLOCK_KV),
                          ids=lambda e: "-".join(map(str, e)))
 def test_tuning_table_entries_compile(compiles, entry, record_property):
   """Every entry of the tuning table compiles for its chip, and the tiling uses it."""
   group = ("tuned", entry, None, entry[0])
   program = compiles[group][0][0]
-  assert program.tiling(entry[0]).block_kv == paged_attention_tuned.BLOCK_KV[entry]
+  assert program.tiling(entry[0]).block_kv == PA.TUNED_BLOCK_KV[entry]
   check_compiled(compiles[group], group[3], _check, record_property)
 
 

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tpu_kernels import chips, paged_attention as PA, paged_attention_tuned, vmem
+from tpu_kernels import chips, paged_attention as PA, vmem
 
-TABLE = paged_attention_tuned.BLOCK_KV
+TABLE = PA.TUNED_BLOCK_KV
 
 
 def _key(entry) -> PA.TuningKey:

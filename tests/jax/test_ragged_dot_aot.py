@@ -23,7 +23,7 @@ tiling asked for and within the chip's allowance. The tiling of every case is wr
 to the test report (`record_property`) and printed by `python scripts/aot_summary.py`.
 
 Plus one forward program per entry of the tuning table
-(kernels/tpu_kernels/ragged_dot_tuned.py), at its key's shape.
+(kernels/tpu_kernels/tuned/ragged_dot.<chip>.json), at its key's shape.
 One test per (model, chip) compiles the 10 programs of that model (1-13 s each; gpt-oss's
 interleaved gate/up is the slowest), spread over up to two worker processes (libtpu's
 compile is single-threaded; the test run itself is serial).
@@ -38,7 +38,7 @@ from aot_pool import check_compiled, compile_pool
 
 from ragged_dot_cases import (AOT_CHIPS, MODELS, QUANT_M, ROWS, Model, Program, compile_case,
                               model_programs, quantized_programs)
-from tpu_kernels import aot, chips, ragged_dot as R, ragged_dot_tuned
+from tpu_kernels import aot, chips, ragged_dot as R
 
 pytestmark = pytest.mark.aot
 
@@ -99,13 +99,13 @@ def _tuned_program(entry) -> Program:
                  weight_dtype=key.dtype, dtype=key.dtype)
 
 
-@pytest.mark.parametrize("entry", sorted(ragged_dot_tuned.BLOCKS),
+@pytest.mark.parametrize("entry", sorted(R.TUNED_BLOCKS),
                          ids=lambda e: "-".join(map(str, e)))
 def test_tuning_table_entries_compile(pool, entry, record_property):
   """Every entry of the tuning table compiles for its chip, and the tiling uses it."""
   program = _tuned_program(entry)
   [(_, t)] = program.tilings(entry[0])
-  assert (t.block_m, t.block_k, t.block_n) == ragged_dot_tuned.BLOCKS[entry]
+  assert (t.block_m, t.block_k, t.block_n) == R.TUNED_BLOCKS[entry]
   _compile_and_check(pool, [program], entry[0], record_property)
 
 

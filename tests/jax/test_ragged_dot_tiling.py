@@ -11,11 +11,11 @@ from unittest import mock
 import jax.numpy as jnp
 import pytest
 
-from tpu_kernels import chips, ragged_dot as R, ragged_dot_tuned, vmem
+from tpu_kernels import chips, ragged_dot as R, vmem
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-TABLE = ragged_dot_tuned.BLOCKS
+TABLE = R.TUNED_BLOCKS
 BF16 = jnp.bfloat16
 
 
@@ -73,9 +73,9 @@ def _blocks(t: R.Tiling) -> tuple[int, int, int]:
 
 def test_outside_the_table_the_heuristic_decides():
   key = R.TuningKey("v6e", "bfloat16", 1, 8192, 14336, 4096, 8)
-  with mock.patch.dict(ragged_dot_tuned.BLOCKS, clear=True):
+  with mock.patch.dict(R.TUNED_BLOCKS, clear=True):
     want = _tiling(key, 8192)
-  with mock.patch.dict(ragged_dot_tuned.BLOCKS, {dataclasses.astuple(key): (64, 256, 256)}):
+  with mock.patch.dict(R.TUNED_BLOCKS, {dataclasses.astuple(key): (64, 256, 256)}):
     assert _blocks(_tiling(key, 8192)) == (64, 256, 256)
     # Explicit blocks or a limit from the caller bypass the table.
     assert _blocks(_tiling(key, 8192, block_m=128)) != (64, 256, 256)
@@ -87,7 +87,7 @@ def test_outside_the_table_the_heuristic_decides():
                         out_dtype=BF16, num_rhs=1, chip="v6e") is None
   # 384 is not a block the kernel takes (above 256 it cuts lanes in multiples of 256):
   # the entry is ignored.
-  with mock.patch.dict(ragged_dot_tuned.BLOCKS, {dataclasses.astuple(key): (64, 256, 384)}):
+  with mock.patch.dict(R.TUNED_BLOCKS, {dataclasses.astuple(key): (64, 256, 384)}):
     assert _tiling(key, 8192) == want
 
 

@@ -1,5 +1,6 @@
-"""benchmarks/tuning.py: the child runner, the rating log and the table-module writer that
-estimate.py, anchors.py and both tuners share (fast; no jax, no estimator)."""
+"""benchmarks/tuning.py: the child runner, the rating log and the table writer that
+estimate.py, anchors.py and the tuners share, and the shipped tables against their logs
+(fast; no jax, no estimator)."""
 
 import os
 import subprocess
@@ -13,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import tuning  # noqa: E402
+from tpu_kernels import tuning_tables  # noqa: E402
 
 
 def _script(tmp_path, body: str) -> Path:
@@ -126,29 +128,17 @@ def test_log_round_trip_and_kept_rows(tmp_path):
   assert tuning.kept_rows(log, lambda r: r["chip"] == "v5e") == [rows[1]]
 
 
-def test_table_module_keeps_the_header_and_is_importable(tmp_path):
-  module = tmp_path / "table_mod.py"
-  module.write_text('"""Generated. Do not edit."""\n\nTABLE: dict = {\n    ("old",): 1,\n}\n')
-  entries = {("v6e", "bfloat16", 128): (512, 1024, 33554432), ("v5e", "int8", 64): (256, 256, 0)}
-  tuning.write_table_module(module, "TABLE", "dict[tuple[str, str, int], tuple]", entries)
-  text = module.read_text()
-  assert text.startswith('"""Generated. Do not edit."""\n\nTABLE: dict[tuple[str, str, int], tuple] = {')
-  assert text.index("'v5e'") < text.index("'v6e'") and "old" not in text
-  namespace: dict = {}
-  exec(compile(text, str(module), "exec"), namespace)
-  assert namespace["TABLE"] == entries
-
-
-@pytest.mark.parametrize("tuner, table", [("tune_flash_attention", "flash_attention_tuned"),
-                                          ("tune_paged_attention", "paged_attention_tuned"),
-                                          ("tune_ragged_dot", "ragged_dot_tuned")])
-def test_tables_are_reproduced_from_their_logs(tuner, table, tmp_path):
-  """The shipped table is exactly what its tuner builds from the shipped rating log."""
-  shipped = ROOT / "kernels" / "tpu_kernels" / f"{table}.py"
-  out = tmp_path / f"{table}.py"
-  out.write_text(shipped.read_text())
+@pytest.mark.parametrize("tuner, kernel", [("tune_flash_attention", "flash_attention"),
+                                           ("tune_paged_attention", "paged_attention"),
+                                           ("tune_ragged_dot", "ragged_dot")])
+def test_tables_are_reproduced_from_their_logs(tuner, kernel, tmp_path):
+  """The shipped tables are exactly what their tuner builds from the shipped rating log."""
   result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{tuner}.py"),
-                           "--from-log", "--out", str(out)], capture_output=True, text=True,
+                           "--from-log", "--out", str(tmp_path)], capture_output=True, text=True,
                           env=tuning.child_env())
   assert result.returncode == 0, result.stderr[-2000:]
-  assert out.read_text() == shipped.read_text()
+  shipped = sorted(tuning_tables.TABLES_DIR.glob(f"{kernel}.*.json"))
+  assert [p.name for p in shipped] == [f"{kernel}.v5e.json", f"{kernel}.v6e.json"]
+  assert [p.name for p in sorted(tmp_path.iterdir())] == [p.name for p in shipped]
+  for path in shipped:
+    assert (tmp_path / path.name).read_text() == path.read_text()
