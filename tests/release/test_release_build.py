@@ -149,4 +149,7 @@ def test_source_hash_is_the_package_content_hash(repo):
   package = dist / "ragged-dot-tpu" / "torch-ext" / "ragged_dot_tpu"
   built = {rel: p for rel, p in release.tree_files(package).items() if rel != "_ops.py"}
   assert set(built) == set(release.package_sources("ragged-dot-tpu", manifest, repo))
+  # the kernel's tuning tables travel with it, one per chip (tpu_kernels/tuning_tables.py)
+  assert {"tpu_kernels/tuned/ragged_dot.v5e.json", "tpu_kernels/tuned/ragged_dot.v6e.json",
+          "tpu_kernels/tuning_tables.py"} <= set(built)
   assert release.sha256_files(built) == release.source_hash("ragged-dot-tpu", manifest, repo)
