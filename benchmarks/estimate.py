@@ -38,7 +38,8 @@ process (libtpu 0.0.42 on the paged kernel for v5e) and its memory grows per com
 A failed rating is a row with its error, never a crash.
 
 Writes <out>/estimates.jsonl, <out>/estimates.md (the table every kernel card and the
-README quote) and <out>/estimates.png.
+README quote), <out>/estimates.png (every case) and <out>/estimates-<kernel>.png (one
+kernel's cases: its card's chart, `charts`).
 """
 
 from __future__ import annotations
@@ -355,6 +356,22 @@ def _short(implementation: str) -> str:
   return re.sub(r" \(jax [0-9.]+,? ?", " (", label).replace(" ()", "")
 
 
+def chart_path(out: Path, kernel: str | None = None) -> Path:
+  """<out>/estimates.png, or one kernel's <out>/estimates-<kernel>.png (the build puts the
+  latter in the kernel's Hub repo for its card)."""
+  return out / ("estimates.png" if kernel is None else f"estimates-{kernel}.png")
+
+
+def charts(rows: list[dict], out: Path) -> list[Path]:
+  """The chart of every case, and one per kernel (cases are named "<kernel> ...")."""
+  paths = [chart_path(out)]
+  chart(rows, paths[0])
+  for kernel in dict.fromkeys(r["case"].split(" ")[0] for r in rows):
+    paths.append(chart_path(out, kernel))
+    chart([r for r in rows if r["case"].split(" ")[0] == kernel], paths[-1])
+  return paths
+
+
 def chart(rows: list[dict], path: Path) -> None:
   """Efficiency per case, one bar per implementation (ours, XLA, anchors), labelled, one
   panel per chip (PNG). Unrated implementations get no bar."""
@@ -447,7 +464,7 @@ def main(argv=None) -> int:
   (args.out / "estimates.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   table = markdown(rows)
   (args.out / "estimates.md").write_text(HEADER + table)
-  chart(rows, args.out / "estimates.png")
+  charts(rows, args.out)
   print(table)
   ours = [r for r in rows if r["source"] == OURS]
   return 0 if all("predicted_us" in r for r in ours) else 1

@@ -6,7 +6,9 @@ For a kernel `rms-norm-tpu` with torch package `rms_norm_tpu`, dist/rms-norm-tpu
 
     build.toml                         kernel-builder edition 5, [torch-noarch]
     flake.nix                          kernel-builder's genKernelFlakeOutputs
-    README.md                          the card
+    README.md                          the card (its release section quotes the kernel's rows of
+                                       benchmarks/results/estimates.md and shows estimates.png)
+    estimates.png                      benchmarks/results/estimates-<stem>.png: the card's chart
     torch-ext/rms_norm_tpu/            the package as kernel-builder would build it:
         __init__.py, layers.py, ...    from torch-ext/rms_norm_tpu/
         _ops.py                        generated: the op namespace of this build
@@ -160,6 +162,15 @@ def _add_release_metadata(metadata: dict, variant: Path, collection: dict,
   return metadata
 
 
+CARD_CHART = "estimates.png"   # the kernel's chart, at the root of its Hub repo
+
+
+def _estimates_chart(hub_name: str, manifest: dict) -> Path | None:
+  """benchmarks/results/estimates-<stem>.png (benchmarks/estimate.py draws one per kernel)."""
+  path = ROOT / "benchmarks" / "results" / f"estimates-{release.stem(hub_name, manifest)}.png"
+  return path if path.is_file() else None
+
+
 def _estimates_table(hub_name: str, manifest: dict) -> list[str]:
   """The rows of benchmarks/results/estimates.md's first table that are this kernel's
   (case names start with its stem, e.g. `rms_norm `), with the table's header."""
@@ -228,6 +239,9 @@ def release_notes(hub_name: str, manifest: dict, namespace: str, commit: str | N
   if table:
     out += ["Static estimates from libtpu's cycle count (`benchmarks/estimate.py`), not "
             "measured on a TPU:", "", *table]
+  if table and _estimates_chart(hub_name, manifest):
+    out += ["", f"![static estimates: efficiency (roofline / prediction) of this kernel, XLA "
+            f"and the other kernels rated, per case, v5e and v6e]({CARD_CHART})"]
   else:
     out += ["No static estimates recorded for this kernel yet; nothing here was measured on a TPU."]
   out += [
@@ -271,6 +285,8 @@ def build_kernel(hub_name: str, manifest: dict, out_dir: Path) -> Path:
 
   (repo / "build.toml").write_text(_kernel_build_toml(hub_name, kernel, collection))
   shutil.copy2(ROOT / "flake.nix", repo / "flake.nix")
+  if _estimates_chart(hub_name, manifest):
+    shutil.copy2(_estimates_chart(hub_name, manifest), repo / CARD_CHART)
   card = (ROOT / kernel["card"]).read_text()
   (repo / "README.md").write_text(card.format(
       repo_id=f"{collection['hub-org']}/{hub_name}", version=kernel["version"],

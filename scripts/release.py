@@ -232,7 +232,8 @@ def build_inputs(hub_name: str, manifest: dict, root: Path = ROOT) -> list[str]:
   """Repo-relative paths whose content goes into the built repo folder."""
   collection, kernel = manifest["collection"], manifest["kernel"][hub_name]
   paths = [kernel["torch-package"], collection["shim-sources"], "build.toml", "flake.nix",
-           f"changelog/{hub_name}.md", "benchmarks/results/estimates.md"]
+           f"changelog/{hub_name}.md", "benchmarks/results/estimates.md",
+           f"benchmarks/results/estimates-{stem(hub_name, manifest)}.png"]
   paths += [p.relative_to(root).as_posix() for p in kernel_sources(hub_name, manifest, root).values()]
   if "card" in kernel:
     paths.append(kernel["card"])

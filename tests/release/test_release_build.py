@@ -79,6 +79,12 @@ def test_card_release_section(repo):
     assert f"```\n{install}\n```" in notes
     assert "static estimates, not measured" in notes
     assert "{" not in notes
+    # the kernel's own chart, shipped at the repo root and shown by the card
+    assert f"]({build_py.CARD_CHART})" in notes
+    chart = (dist / name / build_py.CARD_CHART).read_bytes()
+    assert chart[:8] == b"\x89PNG\r\n\x1a\n"
+    assert chart == (repo / "benchmarks" / "results" /
+                     f"estimates-{release.stem(name, manifest)}.png").read_bytes()
   rms = (dist / "rms-norm-tpu" / "README.md").read_text()
   assert "| rms_norm bf16[8192,4096] | pallas | v6e | 102,357 |" in rms
   ragged = (dist / "ragged-dot-tpu" / "README.md").read_text()
@@ -93,6 +99,7 @@ def test_card_release_section(repo):
       **manifest["kernel"]["rms-norm-tpu"], "torch-package": "torch-ext/new_kernel_tpu"}}}
   notes = build_py.release_notes("new-kernel-tpu", planned, "_ns", None, None)
   assert "No static estimates recorded for this kernel yet" in notes
+  assert build_py.CARD_CHART not in notes
   # The technical content of the card is untouched: the card, formatted, comes first.
   source_card = (repo / manifest["kernel"]["rms-norm-tpu"]["card"]).read_text()
   assert rms.startswith(source_card[:source_card.index("{version}")])
