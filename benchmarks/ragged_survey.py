@@ -6,6 +6,7 @@ cycles extrapolated from 4 and 8 visits; XLA's `jax.lax.ragged_dot`: its
 memory on some tilings; such a row is kept with its error).
 
     python benchmarks/ragged_survey.py [--chips v6e] [--models mixtral-8x7b ...] [--m 512 8192]
+                                       [--memory-bytes N]
 
 Writes benchmarks/results/ragged_survey.jsonl: this run's rows replace the file's rows of
 the same (chip, model, m); the others are kept. Static estimates, not measurements.
@@ -73,11 +74,13 @@ def main() -> None:
   parser.add_argument("--models", nargs="+", default=list(MODELS))
   parser.add_argument("--m", nargs="+", type=int, default=[512, 8192, 65536])
   parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+  parser.add_argument("--memory-bytes", type=int, default=CHILD_MEMORY_BYTES,
+                      help="each rating's memory cap (some large gated blocks need 20 GiB)")
   parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
     import resource   # some tilings make the estimator take all memory: fail the row instead
-    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
+    resource.setrlimit(resource.RLIMIT_AS, (args.memory_bytes, args.memory_bytes))
     model, m, part, chip, implementation = args.child
     tuning.print_row(rate(model, int(m), part, chip, implementation))
     return
@@ -93,7 +96,8 @@ def main() -> None:
             env = tuning.child_env(
                 ESTIMATE_STATIC_PROFILE="1" if implementation == "pallas" else "0")
             got, error = tuning.run_child(__file__, ["--child", model, str(m), part, chip,
-                                                     implementation], timeout=900, env=env)
+                                                     implementation, "--memory-bytes",
+                                                     str(args.memory_bytes)], timeout=900, env=env)
             row = got[-1] if not error else dict(model=model, m=m, part=part, chip=chip,
                                                  implementation=implementation, error=error)
             rows.append(row)

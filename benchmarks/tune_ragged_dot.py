@@ -22,9 +22,13 @@ count (the estimator itself only sees the balanced table). A prediction is
 max(cycles / clock, bytes / HBM bandwidth).
 
 Candidates: every (block_m, block_k, block_n) the kernel accepts whose VMEM plan fits
-under a scoped limit of VMEM_CEILING_BYTES (block_m a power of two from the sublane
-multiple to MAX_BLOCK_M, block_k and block_n from the kernel's own lane-block
-candidates). Rating one is two compiles (10-80 s), too many to rate them all, so they
+under the chip's largest scoped limit (`Chip.max_vmem_limit_bytes`, 112 MiB on v5e and
+v6e; block_m a power of two from the sublane multiple to MAX_BLOCK_M, block_k and
+block_n from the kernel's own lane-block candidates). Until 2026-12-02 the ceiling was
+64 MiB: the keys not re-rated since (all but Mixtral-8x7B's on v6e) chose among those
+candidates only, and a 65 MiB tiling rated 21% faster on Mixtral's gate/up at m=8192.
+block_m = 1024 is not a candidate: the estimator exhausts memory on it (Mixtral-sized
+blocks, 14 GiB). Rating one is two compiles (10-80 s), too many to rate them all, so they
 are ranked first by a traffic model (`modelled_seconds`: bytes moved over the HBM
 bandwidth, against padded MXU work at peak plus STEP_CYCLES per grid step). Rated: the
 heuristic's own pick, the best TOP_RATED by the model at unaligned routing, and the
@@ -33,8 +37,10 @@ best by the model at balanced routing.
 The table: per key, among the rated candidates no slower than the heuristic's pick at
 balanced routing (so the headline's measure never gets worse), the one with the lowest
 unaligned prediction (ties: lower balanced prediction, then larger blocks) enters if it
-beats the heuristic's pick by at least MIN_GAIN unaligned. A key whose heuristic pick the estimator cannot rate gets no entry.
-Every rating goes to benchmarks/results/ragged_tuning.jsonl.
+beats the heuristic's pick by at least MIN_GAIN unaligned. A key whose heuristic pick the
+estimator cannot rate gets no entry. Every rating goes to
+benchmarks/results/ragged_tuning.jsonl; a re-run keeps a key's earlier ratings of other
+blocks (`merged_log`).
 
 Limits, stated: the model only chooses what gets rated; an unrated candidate might have
 been better. The unaligned prediction is a hand extrapolation, not the estimator's own
@@ -78,7 +84,6 @@ CHIPS = tuple(MODELS_BY_CHIP)
 ROWS = (512, 8192)
 # The headline model also at a long prefill's rows (8192 tokens x top-8 experts).
 ROWS_BY_MODEL = {"qwen3-30b-a3b": (512, 8192, 65536)}
-VMEM_CEILING_BYTES = 64 << 20
 STEP_CYCLES = 600     # rough cost of one grid step; only ranks candidates for rating
 TOP_RATED = 3
 MIN_GAIN = 0.01
@@ -121,7 +126,8 @@ def candidates(key: R.TuningKey) -> list[tuple[int, int, int]]:
   """Every block triple the kernel accepts for the key's shape within the ceiling."""
   dt = jnp.dtype(key.dtype)
   sub = vmem.sublane_multiple(dt)
-  budget = vmem.vmem_budget(chips.get_chip(key.chip), VMEM_CEILING_BYTES)
+  chip = chips.get_chip(key.chip)
+  budget = vmem.vmem_budget(chip, chip.max_vmem_limit_bytes)
   block_ms = [b for b in (1 << i for i in range(3, 11))
               if sub <= b <= min(R.MAX_BLOCK_M, key.m_bucket)]
   n_divides = key.n if key.num_rhs == 2 else None
@@ -275,6 +281,20 @@ def summary(rows: list[dict]) -> list[str]:
   return lines
 
 
+def merged_log(old_rows: list[dict], new_rows: list[dict]) -> list[dict]:
+  """The log after a run: the new ratings, and the earlier ones they do not replace. A
+  rating replaces an earlier one of the same key and blocks, and a key's new heuristic
+  pick replaces its earlier one; a key's other earlier candidates stay (a run ranks the
+  candidates afresh, and a candidate rated before stays a valid choice). Ratings are
+  deterministic, so a kept row is what a re-rating would give, while the kernel's
+  program for those blocks is unchanged: re-rate every key after a kernel change."""
+  new_keys = {tuple(r["key"]) for r in new_rows}
+  fresh = {(tuple(r["key"]), tuple(r["blocks"])) for r in new_rows}
+  kept = [r for r in old_rows if (tuple(r["key"]), tuple(r["blocks"])) not in fresh
+          and not (r["heuristic"] and tuple(r["key"]) in new_keys)]
+  return kept + new_rows
+
+
 def _rate_in_child(key: R.TuningKey, blocks, heuristic: bool,
                    memory_bytes: int = ragged_survey.CHILD_MEMORY_BYTES) -> dict:
   found, error = tuning.run_child(__file__, ["--key", json.dumps(dataclasses.astuple(key)),
@@ -320,13 +340,12 @@ def main(argv=None) -> int:
                            RETRY_MEMORY_BYTES) for r in tuning.read_log(a.log)]
     tuning.write_log(a.log, rows)
   else:
-    rerated = {tuple(dataclasses.astuple(k)) for k in grid(tuple(a.chips), tuple(a.models))}
-    rows = tuning.kept_rows(a.log, lambda r: tuple(r["key"]) in rerated)
     jobs = [(key, blocks, i == 0) for key in grid(tuple(a.chips), tuple(a.models))
             for i, blocks in enumerate(to_rate(key))]
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
-      rows += list(pool.map(lambda job: _rate_in_child(*job), jobs))
-    tuning.write_log(a.log, rows)
+      new_rows = list(pool.map(lambda job: _rate_in_child(*job), jobs))
+    tuning.write_log(a.log, merged_log(tuning.read_log(a.log), new_rows))
+    rows = tuning.read_log(a.log)
   table = {dataclasses.astuple(k): v for k, v in table_from_ratings(rows).items()}
   tuning.write_tables(a.out, __file__, "ragged_dot", R.TuningKey, R.TUNED_VALUE_FIELDS, table,
                       CHIPS, TABLE_ABOUT)

@@ -114,6 +114,23 @@ def test_table_is_built_from_the_rated_heuristic_and_a_gain():
                                row((8, 512, 256), 95.0, 50.0)]) == {key: (8, 512, 256)}
 
 
+def test_a_rerun_keeps_a_keys_other_ratings_and_replaces_its_heuristic():
+  """tune_ragged_dot.merged_log: a new rating replaces the same key and blocks; the key's
+  earlier candidates stay (so a run ranking other candidates loses no good one), but its
+  earlier heuristic pick goes (a changed heuristic must not leave two)."""
+  import tune_ragged_dot as T
+  a, b = (list(dataclasses.astuple(k)) for k in T.grid()[:2])
+
+  def row(key, blocks, heuristic=False, us=1.0):
+    return dict(key=key, blocks=list(blocks), heuristic=heuristic, us=us)
+
+  old = [row(a, (64, 512, 512), heuristic=True), row(a, (128, 512, 512)), row(a, (256, 512, 512)),
+         row(b, (64, 512, 512), heuristic=True)]
+  new = [row(a, (32, 512, 512), heuristic=True, us=2.0), row(a, (256, 512, 512), us=2.0)]
+  assert T.merged_log(old, new) == [row(a, (128, 512, 512)), row(b, (64, 512, 512), heuristic=True),
+                                    *new]
+
+
 def test_summary_rates_against_the_roofline_and_is_the_readme_table():
   """`tune_ragged_dot.py --summary` divides the roofline by each prediction (capped at 1);
   the README's table is its output for the shipped log, one row per tuned key."""
