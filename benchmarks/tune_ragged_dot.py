@@ -79,7 +79,7 @@ import headline  # noqa: E402
 import ragged_estimate  # noqa: E402
 
 MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3")
-MODELS_BY_CHIP = {"v5e": MODELS[:2], "v6e": MODELS}
+MODELS_BY_CHIP = {"v5e": ("qwen3-30b-a3b", "mixtral-8x7b"), "v6e": MODELS}
 CHIPS = tuple(MODELS_BY_CHIP)
 ROWS = (512, 8192)
 # The headline model also at a long prefill's rows (8192 tokens x top-8 experts).
@@ -344,8 +344,8 @@ def main(argv=None) -> int:
             for i, blocks in enumerate(to_rate(key))]
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
       new_rows = list(pool.map(lambda job: _rate_in_child(*job), jobs))
-    tuning.write_log(a.log, merged_log(tuning.read_log(a.log), new_rows))
-    rows = tuning.read_log(a.log)
+    rows = merged_log(tuning.read_log(a.log), new_rows)
+    tuning.write_log(a.log, rows)
   table = {dataclasses.astuple(k): v for k, v in table_from_ratings(rows).items()}
   tuning.write_tables(a.out, __file__, "ragged_dot", R.TuningKey, R.TUNED_VALUE_FIELDS, table,
                       CHIPS, TABLE_ABOUT)

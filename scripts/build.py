@@ -285,8 +285,8 @@ def build_kernel(hub_name: str, manifest: dict, out_dir: Path) -> Path:
 
   (repo / "build.toml").write_text(_kernel_build_toml(hub_name, kernel, collection))
   shutil.copy2(ROOT / "flake.nix", repo / "flake.nix")
-  if _estimates_chart(hub_name, manifest):
-    shutil.copy2(_estimates_chart(hub_name, manifest), repo / CARD_CHART)
+  if chart := _estimates_chart(hub_name, manifest):
+    shutil.copy2(chart, repo / CARD_CHART)
   card = (ROOT / kernel["card"]).read_text()
   (repo / "README.md").write_text(card.format(
       repo_id=f"{collection['hub-org']}/{hub_name}", version=kernel["version"],
