@@ -352,7 +352,7 @@ def test_tpu_branch_passes_placeholders_and_statics(flash, flash_ops, monkeypatc
 
   calls, dispatch = install_fake_torch_tpu(monkeypatch, flash)
 
-  def jax_op(qualname, fn):   # the forward returns (out, lse)
+  def jax_op(qualname, fn, donate_argnums=None):   # the forward returns (out, lse)
     def op(*tensors, **kwargs):
       calls["op"].append((qualname, tensors, kwargs))
       q = tensors[0]

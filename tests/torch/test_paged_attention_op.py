@@ -507,7 +507,9 @@ def test_tpu_branch_aliases_or_copies(paged, paged_ops, monkeypatch):
   calls, dispatch = install_fake_torch_tpu(monkeypatch, paged)
   aliased = {"on": True}
 
-  def jax_op(qualname, fn):
+  def jax_op(qualname, fn, donate_argnums=None):
+    calls["jax_op"].append((qualname, fn, donate_argnums))
+
     def op(*tensors, **kwargs):
       calls["op"].append((qualname, tensors, kwargs))
       k_cache, v_cache, new_k = tensors[:3]
@@ -521,7 +523,7 @@ def test_tpu_branch_aliases_or_copies(paged, paged_ops, monkeypatch):
   monkeypatch.setattr(sys.modules["torch.tpu.pallas"], "jax_op", jax_op)
   monkeypatch.setattr(paged_ops, "_write", dispatch.JaxKernel(
       paged_ops._write.qualname + "_probe", paged_ops._write.module, paged_ops._write.function,
-      cpu_chip="v6e"))
+      cpu_chip="v6e", donate_argnums=paged_ops._write.donate_argnums))
   try:
     args = _write_ok()
     k_cache, v_cache = args["k_cache"], args["v_cache"]
@@ -534,6 +536,8 @@ def test_tpu_branch_aliases_or_copies(paged, paged_ops, monkeypatch):
     dispatch.tpu_chip_name.cache_clear()
   (name, tensors, kwargs), _ = calls["op"]
   assert name.endswith("::write_kv_cache_probe_tpu_jax")
+  (_, _, donated), = calls["jax_op"]
+  assert donated == (0, 1)          # the caches, donated to the TPU program
   assert tensors[0] is k_cache and tensors[1] is v_cache     # the caches themselves
   assert [(tuple(t.shape), t.dtype) for t in tensors[5:]] == [((0,), torch.float32)] * 2
   assert kwargs == dict(chip="v6e", interpret=False)

@@ -1,4 +1,12 @@
-"""A stand-in for TorchTPU, for tests of the shim's TPU branch on a machine with no TPU."""
+"""A stand-in for TorchTPU's device call, for tests of the shim's TPU branch with real data.
+
+The real torch-tpu wheel is tested in tests/torchtpu (.venv-torchtpu): schema, fake and
+export path, donation, the loader and chip detection, everything up to the device call.
+What it cannot do here is run an op on "tpu" tensors with values, which the tests using
+this stand-in need (which tensors the torch layer hands over, by identity and value, and
+what it does with the outputs). So this stands in for exactly that: `jax_op` returns an op
+that records its inputs, and the tensors are CPU tensors the shim believes are on a TPU.
+"""
 
 import sys
 import types
@@ -17,8 +25,8 @@ def install_fake_torch_tpu(monkeypatch, package):
 
   calls = {"jax_op": [], "op": []}
 
-  def jax_op(qualname, fn):
-    calls["jax_op"].append((qualname, fn))
+  def jax_op(qualname, fn, donate_argnums=None):   # the real one's signature, less mesh options
+    calls["jax_op"].append((qualname, fn, donate_argnums))
 
     def op(*tensors, **kwargs):
       calls["op"].append((qualname, tensors, kwargs))

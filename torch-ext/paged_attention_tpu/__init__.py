@@ -232,9 +232,9 @@ def write_kv_cache_(k_cache: torch.Tensor, v_cache: torch.Tensor, new_k: torch.T
   A torch custom op that declares k_cache and v_cache mutated, so it is correct under
   torch.compile (the compiled graph keeps the write and orders reads after it). The
   caller's tensors are updated, storage unchanged. On CPU the JAX result is copied into
-  them; on TPU the JAX function donates the caches (jax.jit donate_argnums=(0, 1), XLA
-  input/output aliasing), so the result can land in TorchTPU's own cache buffers, and
-  the copy is skipped whenever it does (same buffer).
+  them; on TPU the shim builds TorchTPU's `jax_op` with the caches donated
+  (donate_argnums=(0, 1), XLA input/output aliasing), so the result can land in
+  TorchTPU's own cache buffers, and the copy is skipped whenever it does (same buffer).
 
   Args:
     k_cache, v_cache: [num_pages, Hkv, page_size, D], contiguous; float32 / bfloat16, or

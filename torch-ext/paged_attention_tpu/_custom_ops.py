@@ -34,7 +34,8 @@ QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 _jax_kernel = _shim.jax_kernels(__package__, add_op_namespace_prefix, cpu_chip=DEFAULT_CHIP)
 _attention = _jax_kernel("ragged_paged_attention", "ragged_paged_attention_forward")
-_write = _jax_kernel("write_kv_cache", "write_kv_cache")
+# The caches (tensors 0 and 1) are donated to the TPU program: see _jax_functions' docstring.
+_write = _jax_kernel("write_kv_cache", "write_kv_cache", donate_argnums=(0, 1))
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:

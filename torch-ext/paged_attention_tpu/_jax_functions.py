@@ -13,20 +13,19 @@ The index tensors (kv_lens, page_indices, cu_q_lens, slot_mapping) are runtime v
 of the kernels: one compiled program serves every step of a serving loop whose shapes
 (padded token count, number of sequences, pages per sequence) stay the same.
 
-KV-cache writes and buffer aliasing: `write_kv_cache` is jitted with
-donate_argnums=(0, 1), so that XLA may write the updated caches into the buffers of the
-caches it was given (input_output_aliases) instead of allocating new ones. When
-TorchTPU runs it through `jax_op`, the torch op hands TorchTPU's own cache buffers to
-this function and, if the outputs come back in those same buffers (same data_ptr), has
-nothing to copy; otherwise it copies the outputs into the caches. On CPU the shim calls
-it inside its own jax.jit (no donation there: the inputs are torch's memory, seen
-through DLPack, and must never be handed to XLA to reuse), and the torch op copies the
-result into the caches.
+KV-cache writes and buffer aliasing: the shim builds `write_kv_cache`'s TPU op with
+TorchTPU's `jax_op(..., donate_argnums=(0, 1))` (the op's JaxKernel declares it), so the
+exported program aliases both caches to the outputs (`tf.aliasing_output`) and XLA may
+write the updated caches into the buffers it was given instead of allocating new ones.
+TorchTPU's op declares no mutation (marking it mutable would make torch copy back and
+defeat the donation); the torch op `write_kv_cache` does: it declares both caches
+mutated and, if the outputs do not come back in the caches' own buffers (same
+data_ptr), copies them in. On CPU the shim calls the function inside its own jax.jit
+with nothing donated (the inputs are torch's memory, seen through DLPack, and must never
+be handed to XLA to reuse), and the torch op copies the result into the caches.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 
@@ -55,20 +54,15 @@ def ragged_paged_attention_forward(q: jax.Array, k_cache: jax.Array, v_cache: ja
       interpret=interpret)
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _write_donating(k_cache, v_cache, new_k, new_v, slot_mapping, k_scale, v_scale):
-  return kernel.write_kv_cache(k_cache, v_cache, new_k, new_v, slot_mapping,
-                               k_scale=_opt(k_scale), v_scale=_opt(v_scale))
-
-
 def write_kv_cache(k_cache: jax.Array, v_cache: jax.Array, new_k: jax.Array,
                    new_v: jax.Array, slot_mapping: jax.Array, k_scale: jax.Array,
                    v_scale: jax.Array, chip: str,
                    interpret: bool) -> tuple[jax.Array, jax.Array]:
   """(k_cache, v_cache) with token t's K/V written to slot slot_mapping[t] (< 0: skipped).
 
-  The caches are donated (jax.jit donate_argnums=(0, 1), aliased to the outputs): see
-  the module docstring. An XLA scatter: the same program on every chip.
+  On TPU the caches are donated (the shim's donate_argnums=(0, 1)): see the module
+  docstring. An XLA scatter: the same program on every chip.
   """
   del chip, interpret
-  return _write_donating(k_cache, v_cache, new_k, new_v, slot_mapping, k_scale, v_scale)
+  return kernel.write_kv_cache(k_cache, v_cache, new_k, new_v, slot_mapping,
+                               k_scale=_opt(k_scale), v_scale=_opt(v_scale))

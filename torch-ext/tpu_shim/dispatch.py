@@ -67,13 +67,20 @@ class JaxKernel:
   return (jax.Array or a tuple of them), as TorchTPU's `jax_op` requires. It must also
   take `chip: str` and `interpret: bool`, which this class fills in: the host's TPU
   generation and False on TPU, `cpu_chip` and True on CPU.
+
+  `donate_argnums` (positions among the tensors) are donated to the TPU program: TorchTPU's
+  `jax_op` jits the function with them, so the exported program aliases those inputs to
+  outputs (`tf.aliasing_output`) and the runtime may write the results into the inputs'
+  buffers. On CPU nothing is donated: the inputs are torch's memory, seen through DLPack.
   """
 
-  def __init__(self, qualname: str, module: str, function: str, *, cpu_chip: str):
+  def __init__(self, qualname: str, module: str, function: str, *, cpu_chip: str,
+               donate_argnums: tuple[int, ...] = ()):
     self.qualname = qualname  # "namespace::name" of the op this function serves
     self.module = module
     self.function = function
     self.cpu_chip = cpu_chip
+    self.donate_argnums = tuple(donate_argnums)
 
   @functools.cached_property
   def fn(self):
@@ -95,7 +102,7 @@ class JaxKernel:
   def _tpu_op(self):
     from .registry import jax_op_once
 
-    return jax_op_once(f"{self.qualname}_tpu_jax", self.fn)
+    return jax_op_once(f"{self.qualname}_tpu_jax", self.fn, donate_argnums=self.donate_argnums)
 
   def __call__(self, tensors: dict[str, torch.Tensor], **statics):
     """Runs the function; `tensors` in the function's parameter order, by name."""
@@ -113,7 +120,7 @@ class JaxKernel:
 def jax_kernels(package: str, add_op_namespace_prefix, *, cpu_chip: str):
   """The JaxKernel maker of one kernel package: `make(op_name, function)` serves the op
   `<namespace>::<op_name>` with `<package>._jax_functions.<function>`."""
-  def make(op_name: str, function: str) -> JaxKernel:
+  def make(op_name: str, function: str, *, donate_argnums: tuple[int, ...] = ()) -> JaxKernel:
     return JaxKernel(add_op_namespace_prefix(op_name), f"{package}._jax_functions", function,
-                     cpu_chip=cpu_chip)
+                     cpu_chip=cpu_chip, donate_argnums=donate_argnums)
   return make

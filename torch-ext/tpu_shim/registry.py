@@ -28,11 +28,12 @@ def custom_op_once(qualname: str, fn, *, mutates_args=(), schema: str | None = N
   return op
 
 
-def jax_op_once(qualname: str, fn):
-  """TorchTPU's `jax_op(qualname, fn)`, or the op already registered under that name."""
+def jax_op_once(qualname: str, fn, *, donate_argnums: tuple[int, ...] = ()):
+  """TorchTPU's `jax_op(qualname, fn, donate_argnums=...)`, or the op already registered
+  under that name."""
   existing = custom_ops.OPDEFS.get(qualname)
   if existing is not None:
     return existing
   from torch.tpu.pallas import jax_op  # TorchTPU: only ever imported on the TPU path
 
-  return jax_op(qualname, fn)
+  return jax_op(qualname, fn, donate_argnums=donate_argnums or None)
