@@ -4,6 +4,9 @@
 #   .venv/          Python 3.11, requirements.txt (jax 0.10.2, libtpu 0.0.42.1, torch 2.13.0 CPU, ...)
 #   .venv-jax012/   Python 3.12, requirements-jax012.txt (jax 0.12.0.1, libtpu 0.0.50.1): the
 #                   stack TorchTPU needs; the JAX-only tests run there too (scripts/test.sh)
+#   .venv-torchtpu/ Python 3.11, requirements-torchtpu.txt: the real TorchTPU 0.2.0 wheel (torch-tpu,
+#                   cp311 only) on torch 2.13.0 CPU, jax 0.10.2 and libtpu 0.0.50.1; never autoloaded
+#                   (TORCH_DEVICE_BACKEND_AUTOLOAD=0): tests/torchtpu runs there (scripts/test.sh)
 #   .venv-tokamax/  Python 3.11, requirements-tokamax.txt (tokamax 0.0.12 on the main stack's jax and
 #                   libtpu): only benchmarks/anchors.py's tokamax children run there
 #   .venv-tokamax-jax012/  Python 3.12, requirements-tokamax-jax012.txt (tokamax 0.0.17 on the
@@ -35,6 +38,7 @@ make_venv() {  # make_venv DIR PYTHON_VERSION LOCKFILE
 
 make_venv .venv 3.11 requirements.txt
 make_venv .venv-jax012 3.12 requirements-jax012.txt
+make_venv .venv-torchtpu 3.11 requirements-torchtpu.txt
 make_venv .venv-tokamax 3.11 requirements-tokamax.txt
 make_venv .venv-tokamax-jax012 3.12 requirements-tokamax-jax012.txt
 

@@ -5,7 +5,10 @@
 #          before tests/torch and tests/release (the split that makes 1a, 1b and leg 2
 #          take about as long)
 #   leg 2: .venv-jax012 (Python 3.12, jax 0.12.0.1, libtpu 0.0.50.1): the JAX-only tests (tests/jax)
-# The three runs go at the same time: each is mostly one busy core and this machine has two,
+#   leg 3: .venv-torchtpu (Python 3.11, the real torch-tpu 0.2.0 wheel, never autoloaded):
+#          tests/torchtpu, every op through TorchTPU's jax_op up to the device call; the
+#          programs it exports are compiled for v5e / v6e by .venv-jax012's libtpu
+# The four runs go at the same time: each is mostly one busy core and this machine has two,
 # so no core idles while the longest run finishes (as it did when leg 1 was one run).
 # 1b's and leg 2's output is kept in build-reports/test-leg1b.log and test-leg2.log and
 # printed when 1a is done. Each run reports its 15 slowest tests, and every test's time in
@@ -56,7 +59,11 @@ echo "== leg 1b started in the background: Python 3.11, torch 2.13.0 (${leg1b_fi
 background leg1b offline .venv/bin/python -m pytest "${leg1b_files[@]}" --durations=15 \
   --junitxml=build-reports/junit-leg1b.xml "$@"
 leg1b_pid=$!
-trap 'kill $leg2_pid $leg1b_pid 2>/dev/null' EXIT
+echo "== leg 3 started in the background: Python 3.11, torch-tpu 0.2.0 (tests/torchtpu)"
+background leg3 offline .venv-torchtpu/bin/python -m pytest tests/torchtpu --durations=15 \
+  --junitxml=build-reports/junit-leg3.xml "$@"
+leg3_pid=$!
+trap 'kill $leg2_pid $leg1b_pid $leg3_pid 2>/dev/null' EXIT
 
 echo "== leg 1a: Python 3.11, jax 0.10.2 (tests/jax but the modules 1b runs)"
 offline .venv/bin/python -m pytest tests/jax "${leg1b_files[@]/#/--ignore=}" --durations=15 \
@@ -67,10 +74,14 @@ wait $leg1b_pid
 leg1b=$?
 wait $leg2_pid
 leg2=$?
+wait $leg3_pid
+leg3=$?
 trap - EXIT
 echo "== leg 1b: Python 3.11, torch 2.13.0 (${leg1b_files[*]}), its output:"
 cat build-reports/test-leg1b.log
 echo "== leg 2: Python 3.12, jax 0.12.0.1, libtpu 0.0.50.1 (tests/jax), its output:"
 cat build-reports/test-leg2.log
-echo "== runs: 1a=$leg1a 1b=$leg1b leg2=$leg2 (0 = passed); all done after $(( SECONDS - start )) s"
-exit $(( leg1a != 0 || leg1b != 0 || leg2 != 0 ))
+echo "== leg 3: Python 3.11, torch-tpu 0.2.0 (tests/torchtpu), its output:"
+cat build-reports/test-leg3.log
+echo "== runs: 1a=$leg1a 1b=$leg1b leg2=$leg2 leg3=$leg3 (0 = passed); all done after $(( SECONDS - start )) s"
+exit $(( leg1a != 0 || leg1b != 0 || leg2 != 0 || leg3 != 0 ))

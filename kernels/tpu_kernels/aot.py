@@ -81,6 +81,22 @@ def scoped_vmem_per_kernel(hlo_text: str) -> list[int]:
   return sizes
 
 
+_BACKEND_CONFIG = re.compile(r'backend_config = "((?:[^"\\]|\\.)*)"')
+
+
+def scoped_vmem_asked(mlir_text: str) -> list[int]:
+  """The scoped-VMEM limit (bytes) each Mosaic custom call of a lowered or exported
+  StableHLO module asks for (its backend config's scoped_memory_configs), in order."""
+  sizes = []
+  for line in mlir_text.splitlines():
+    if "stablehlo.custom_call @tpu_custom_call" not in line:
+      continue
+    match = _BACKEND_CONFIG.search(line)
+    config = json.loads(match.group(1).replace("\\22", '"')) if match else {}
+    sizes.append(sum(int(c.get("size", 0)) for c in config.get("scoped_memory_configs", [])))
+  return sizes
+
+
 _KERNEL_NAME = re.compile(r'op_name="[^"]*?([A-Za-z0-9_]+)/pallas_call')
 _INSTRUCTION_NAME = re.compile(r'^\s*(?:ROOT\s+)?%([^ ]+) = ')
 

@@ -1,0 +1,354 @@
+"""Every op of the four kernels through the real TorchTPU 0.2.0 `jax_op`, on "tpu" tensors,
+as far as the wheel goes without a chip.
+
+For each JaxKernel of each built package (walked from its `_custom_ops` module, not
+listed by hand) the shim builds the TPU op with the real `torch.tpu.pallas.jax_op`, and:
+
+  * its inferred schema must carry the public op's tensors and statics, plus `chip` and
+    `interpret` (test_inferred_schema_matches_the_public_op);
+  * the public API, called on FakeTensors on device "tpu" in every combination the torch
+    layer sends (absent / present bias and scales, int8 / fp8 weights, sinks, segment ids,
+    q_offset as a tensor, page tables, the KV-cache write; forward and backward), runs
+    its own torch layer and the shim into the wheel's fake, which `jax.export`s the kernel
+    for platform "tpu" (Mosaic `tpu_custom_call` inside); the outputs and gradients must
+    have the shapes and dtypes our own fakes give (test_public_api_through_the_real_jax_op);
+  * the cases together reach every JaxKernel (test_cases_reach_every_jax_kernel).
+
+How the torch layer is made to reach the wheel under FakeTensorMode: a custom op's fake
+runs instead of its implementation there, so for the run through TorchTPU each public
+op's fake is pointed at its own implementation (`through_the_implementation`). The run
+with our fakes is the package as shipped.
+
+Backward: torch's autograd engine cannot run on "tpu" tensors here (it sizes its device
+queues by the TPU count, which asks the TPU runtime: 0 devices, an internal assert). So
+each case's forward records the public ops it called, and `backward_by_hand` applies
+each op's own registered autograd formula (its setup_context and backward, exactly the
+code autograd runs) to ones-like output gradients; the backward ops it calls go through
+TorchTPU as the forward ops do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+
+import jax
+import pytest
+import torch
+from torch._library import custom_ops
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fake_tpu import (_jax_kernels, _ops_module, experts_module, on_device as _on,
+                      recording_public_ops)
+
+KERNEL_FIXTURES = ("rms", "ragged", "flash", "paged")
+
+
+class _Context:
+  """What autograd hands a custom op's setup_context / backward."""
+
+  def __init__(self, inputs):
+    self.needs_input_grad = tuple(isinstance(x, torch.Tensor) for x in inputs)
+
+  def save_for_backward(self, *tensors):
+    self.saved_tensors = tensors
+
+  def set_materialize_grads(self, value: bool):
+    pass   # every output gradient is given (ones), so materialising changes nothing
+
+
+def backward_by_hand(calls):
+  """Applies each recorded forward op's registered autograd formula (newest first) to
+  ones-like output gradients; returns every gradient tensor it produced."""
+  grads = []
+  for op, inputs, output in reversed(list(calls)):
+    if op._backward_fn is None:
+      continue
+    ctx = _Context(inputs)
+    op._setup_context_fn(ctx, inputs, output)
+    outputs = output if isinstance(output, tuple) else (output,)
+    result = op._backward_fn(ctx, *(torch.ones_like(o) for o in outputs))
+    result = result if isinstance(result, tuple) else (result,)
+    grads += [g for g in result if isinstance(g, torch.Tensor)]
+  return grads
+
+
+@pytest.fixture(autouse=True)
+def chip(monkeypatch):
+  """The host's chip, as a TPU host would report it (TPU_KERNELS_CHIP; the PCI route is
+  tested in test_loader_on_a_tpu_host.py)."""
+  monkeypatch.setenv("TPU_KERNELS_CHIP", "v6e")
+  yield
+  for name in list(sys.modules):
+    if name.endswith("._shim.dispatch"):
+      sys.modules[name].tpu_chip_name.cache_clear()
+
+
+# ---------------------------------------------------------------------------------- schema
+
+# jax_op's schema types per annotation. An int becomes "int" or "SymInt" (it depends on
+# whether the parameter is positional); torch treats both alike for a static.
+_SCHEMA_TYPE = {int: "int", float: "float", bool: "bool", str: "str"}
+
+
+def _normal(schema_type: str) -> str:
+  """A schema type with optional-ness and SymInt folded: Tensor? -> Tensor, SymInt -> int."""
+  if schema_type.startswith("Optional["):
+    schema_type = schema_type[len("Optional["):-1]
+  return schema_type.rstrip("?").replace("SymInt", "int")
+
+
+@pytest.mark.parametrize("fixture", KERNEL_FIXTURES)
+def test_inferred_schema_matches_the_public_op(fixture, request, boundary):
+  kernel = request.getfixturevalue(fixture)
+  kernels = _jax_kernels(kernel)
+  assert kernels
+  for qualname, k in kernels.items():
+    tpu_op = k._tpu_op
+    schema = tpu_op._opoverload._schema
+    assert str(schema.name) == f"{qualname}_tpu_jax"
+    params = inspect.signature(k.fn, eval_str=True).parameters
+    inferred = {a.name: _normal(str(a.type)) for a in schema.arguments}
+    assert list(inferred) == list(params), qualname
+    for name, p in params.items():
+      expected = "Tensor" if p.annotation is jax.Array else _SCHEMA_TYPE[p.annotation]
+      assert inferred[name] == expected, (qualname, name, inferred[name])
+    assert inferred["chip"] == "str" and inferred["interpret"] == "bool"
+    # Against the public op: each of its arguments reaches the kernel under its own name,
+    # an optional tensor (Tensor?) as a Tensor (an absent one is a (0,) placeholder).
+    public = custom_ops.OPDEFS[qualname]._opoverload._schema
+    for a in public.arguments:
+      assert inferred[a.name] == _normal(str(a.type)), (qualname, a.name, str(a.type))
+    assert all(a.name in inferred for a in public.arguments), qualname
+    # jax_op declares no mutation and aliases nothing; donation is by donate_argnums.
+    assert not any(a.alias_info for a in schema.arguments), qualname
+
+
+# ---------------------------------------------------------------------------------- cases
+#
+# Each case calls the public API with tensors made by `t(shape, dtype)` on one device and
+# returns the tensors to compare (outputs, then gradients when it runs backward).
+
+
+def _routing(t, tokens=16, top_k=2):
+  return t((tokens, top_k), torch.int64), t((tokens, top_k), torch.float32)
+
+
+def _rms(k, t, fused):
+  x, w = t((8, 256), torch.bfloat16), t((256,), torch.float32)
+  if fused:
+    return list(k.fused_add_rms_norm(x, t((8, 256), torch.bfloat16), w, 1e-6, offset=1.0))
+  return [k.rms_norm(x, w, 1e-6)]
+
+
+def _ragged_dot(k, t, *, quantized=None, bias=False):
+  lhs = t((64, 128), torch.bfloat16)
+  rhs = t((4, 256, 128), quantized or torch.bfloat16)
+  kwargs = dict(transpose_rhs=True)
+  if quantized:
+    kwargs["rhs_scale"] = t((4, 256), torch.float32)
+  if bias:
+    kwargs["bias"] = t((4, 256), torch.bfloat16)
+  return [k.ragged_dot(lhs, rhs, t((4,), torch.int32), **kwargs)]
+
+
+def _experts(k, t, kind, *, quantized=None):
+  m = experts_module(kind, t, quantized=quantized)
+  index, weights = _routing(t)
+  return [k.experts_forward(m, t((16, 128), torch.float32), index, weights)]
+
+
+def _flash(k, t, **features):
+  q = t((2, 4, 256, 128), torch.bfloat16)
+  kv = [t((2, 2, 256, 128), torch.bfloat16) for _ in range(2)]
+  if "sinks" in features:
+    features["sinks"] = t((4,), torch.float32)
+  if "segment_ids" in features:
+    features["segment_ids"] = t((2, 256), torch.int32)
+  if features.get("q_offset") == "tensor":
+    features["q_offset"] = t((), torch.int32)
+  return list(k.flash_attention(q, *kv, return_lse=True, **features))
+
+
+PAGES, HKV, PAGE, D = 16, 2, 16, 128
+
+
+def _paged(k, t, *, cache_dtype=torch.bfloat16, **features):
+  q = t((32, 4, D), torch.bfloat16)
+  caches = [t((PAGES, HKV, PAGE, D), cache_dtype) for _ in range(2)]
+  scales = {}
+  if cache_dtype in (torch.int8, torch.float8_e4m3fn):
+    scales = dict(k_scale=t((HKV,), torch.float32), v_scale=t((HKV,), torch.float32))
+  if "sinks" in features:
+    features["sinks"] = t((4,), torch.float32)
+  out = k.ragged_paged_attention(q, *caches, t((4,), torch.int32), t((4, 4), torch.int32),
+                                 t((5,), torch.int32), **scales, **features)
+  return [out]
+
+
+def _write(k, t, *, cache_dtype=torch.bfloat16):
+  caches = [t((PAGES, HKV, PAGE, D), cache_dtype) for _ in range(2)]
+  new_dtype = torch.bfloat16 if cache_dtype in (torch.int8, torch.float8_e4m3fn) else cache_dtype
+  scales = {}
+  if new_dtype is not cache_dtype:
+    scales = dict(k_scale=t((HKV,), torch.float32), v_scale=t((HKV,), torch.float32))
+  k.write_kv_cache_(*caches, t((8, HKV, D), new_dtype), t((8, HKV, D), new_dtype),
+                    t((8,), torch.int32), **scales)
+  return caches
+
+
+CASES = {
+    # name: (kernel fixture, case, run the backward too)
+    "rms_norm": ("rms", lambda k, t: _rms(k, t, False), True),
+    "fused_add_rms_norm": ("rms", lambda k, t: _rms(k, t, True), True),
+    "ragged_dot": ("ragged", lambda k, t: _ragged_dot(k, t), True),
+    "ragged_dot bias": ("ragged", lambda k, t: _ragged_dot(k, t, bias=True), True),
+    "ragged_dot int8": ("ragged", lambda k, t: _ragged_dot(k, t, quantized=torch.int8), True),
+    "ragged_dot fp8": ("ragged", lambda k, t: _ragged_dot(k, t, quantized=torch.float8_e4m3fn),
+                       True),
+    "experts silu": ("ragged", lambda k, t: _experts(k, t, "silu"), True),
+    "experts gpt_oss (bias, clamped gate)": ("ragged", lambda k, t: _experts(k, t, "gpt_oss"),
+                                             True),
+    "experts no_gate": ("ragged", lambda k, t: _experts(k, t, "no_gate"), True),
+    "experts int8": ("ragged", lambda k, t: _experts(k, t, "silu", quantized=torch.int8), True),
+    "experts fp8 gpt_oss": ("ragged", lambda k, t: _experts(
+        k, t, "gpt_oss", quantized=torch.float8_e4m3fn), True),
+    "flash": ("flash", lambda k, t: _flash(k, t), True),
+    "flash causal": ("flash", lambda k, t: _flash(k, t, causal=True), True),
+    "flash window soft-cap sinks segments q_offset tensor": ("flash", lambda k, t: _flash(
+        k, t, causal=True, sliding_window=64, soft_cap=30.0, sinks=True, segment_ids=True,
+        q_offset="tensor"), True),
+    # paged attention is forward-only (its backward raises by design)
+    "paged": ("paged", lambda k, t: _paged(k, t), False),
+    "paged window soft-cap sinks": ("paged", lambda k, t: _paged(
+        k, t, sliding_window=64, soft_cap=30.0, sinks=True), False),
+    "paged int8 cache": ("paged", lambda k, t: _paged(k, t, cache_dtype=torch.int8), False),
+    "paged fp8 cache": ("paged", lambda k, t: _paged(k, t, cache_dtype=torch.float8_e4m3fn),
+                        False),
+    "write_kv_cache": ("paged", lambda k, t: _write(k, t), False),
+    "write_kv_cache int8": ("paged", lambda k, t: _write(k, t, cache_dtype=torch.int8), False),
+    "write_kv_cache fp8": ("paged", lambda k, t: _write(k, t, cache_dtype=torch.float8_e4m3fn),
+                           False),
+}
+
+
+def _meta(tensors):
+  return [None if x is None else (tuple(x.shape), x.dtype, x.device.type) for x in tensors]
+
+
+def run_case(name, kernel, *, through_tpu):
+  """The case on FakeTensors on "tpu", forward and (if the case has one) backward: through
+  TorchTPU's jax_op, or our own fakes. Returns the outputs, then the gradients."""
+  _, case, backward = CASES[name]
+  with FakeTensorMode(allow_non_fake_inputs=False):
+    with recording_public_ops(kernel, through_tpu=through_tpu) as calls:
+      outputs = case(kernel, _on("tpu"))
+      grads = backward_by_hand(calls) if backward else []
+  assert not backward or grads
+  return outputs + grads
+
+
+_REACHED = set()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_public_api_through_the_real_jax_op(name, request, boundary):
+  kernel = request.getfixturevalue(CASES[name][0])
+  ours = _meta(run_case(name, kernel, through_tpu=False))
+  assert not boundary.exported          # our fakes never reach TorchTPU
+  through = _meta(run_case(name, kernel, through_tpu=True))
+  assert through == ours
+  assert all(m is None or m[2] == "tpu" for m in through)
+  assert boundary.exported, "the torch layer never reached jax_op"
+  kernels = _jax_kernels(kernel)
+  for op_name, exported in boundary.exported:
+    qualname = op_name.removesuffix("_tpu_jax")
+    assert qualname in kernels, op_name
+    _REACHED.add(qualname)
+    assert exported.platforms == ("tpu",)
+    text = exported.mlir_module()
+    if kernels[qualname].function != "write_kv_cache":   # an XLA scatter, no Pallas kernel
+      assert "tpu_custom_call" in text, op_name
+  # Nothing reached the device boundary: the fake path needs none.
+  assert not boundary.calls
+
+
+def test_cases_reach_every_jax_kernel(request):
+  """After the cases above: every JaxKernel of the four packages was exported for TPU."""
+  wanted = set()
+  for fixture in KERNEL_FIXTURES:
+    wanted |= set(_jax_kernels(request.getfixturevalue(fixture)))
+  if not _REACHED:
+    pytest.fail("run with test_public_api_through_the_real_jax_op (same session)")
+  assert wanted - _REACHED == set()
+
+
+# ------------------------------------------------------------------ the in-place cache write
+
+
+def test_cache_write_donates_the_caches_through_the_real_jax_op(paged, boundary):
+  """write_kv_cache's TPU op is built with donate_argnums=(0, 1): the program jax_op
+  exports aliases both caches to its outputs, and the device call (the stubbed boundary)
+  is asked to donate them. Real "tpu" tensors here: allocated, never computed on."""
+  write = _ops_module(paged)._write
+  assert write.donate_argnums == (0, 1)
+  caches = [torch.empty((PAGES, HKV, PAGE, D), dtype=torch.bfloat16, device="tpu")
+            for _ in range(2)]
+  tensors = [*caches, torch.empty((8, HKV, D), dtype=torch.bfloat16, device="tpu"),
+             torch.empty((8, HKV, D), dtype=torch.bfloat16, device="tpu"),
+             torch.empty((8,), dtype=torch.int32, device="tpu"),
+             torch.empty((0,), device="tpu"), torch.empty((0,), device="tpu")]
+  with pytest.raises(RuntimeError, match="needs a TPU"):
+    write._tpu_op(*tensors, chip="v6e", interpret=False)
+  (call,) = boundary.calls
+  assert call["donate_argnums"] == [0, 1]
+  assert call["inputs"][0] is caches[0] and call["inputs"][1] is caches[1]   # no copies
+  (_, _, program), = boundary.registered
+  (_, exported), = boundary.exported
+  assert exported.mlir_module_serialized == program
+  main = next(line for line in exported.mlir_module().splitlines()
+              if "func.func public @main" in line)
+  assert main.count("tf.aliasing_output") == 2, main
+  assert "%arg0: tensor<16x2x16x128xbf16> {tf.aliasing_output = 0 : i32}" in main
+  assert "%arg1: tensor<16x2x16x128xbf16> {tf.aliasing_output = 1 : i32}" in main
+
+
+# ------------------------------------------------------------------------ torch.compile
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_torch_compile_fullgraph_traces_the_public_ops(rms, flash, dynamic, boundary):
+  """torch.compile(fullgraph=True) of a block calling two public ops on "tpu" FakeTensors
+  traces without a graph break, each op opaque in the graph. Static shapes: the ops'
+  fakes are pointed at their implementations, so tracing goes through TorchTPU's jax_op
+  fake (a jax.export per op). Dynamic shapes: the package's own fakes (TorchTPU's fake
+  rejects symbolic shapes; at run time the shapes are concrete and it exports then)."""
+  graphs = []
+
+  def recording_backend(gm, example_inputs):
+    graphs.append(gm)
+    return gm
+
+  def block(x, w, q, k, v):
+    return rms.rms_norm(x, w, 1e-6), flash.flash_attention(q, k, v, causal=True)
+
+  compiled = torch.compile(block, fullgraph=True, dynamic=dynamic, backend=recording_backend)
+  with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+    t = _on("tpu")
+    args = (t((8, 256), torch.bfloat16), t((256,), torch.float32),
+            t((1, 4, 256, 128), torch.bfloat16), t((1, 2, 256, 128), torch.bfloat16),
+            t((1, 2, 256, 128), torch.bfloat16))
+    with contextlib.ExitStack() as stack:
+      if not dynamic:
+        for kernel in (rms, flash):
+          stack.enter_context(recording_public_ops(kernel, through_tpu=True))
+      out, attn = compiled(*args)
+  assert (tuple(out.shape), out.dtype) == ((8, 256), torch.float32)
+  assert tuple(attn.shape) == (1, 4, 256, 128) and attn.device.type == "tpu"
+  (gm,) = graphs
+  targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+  assert any(t.endswith("rms_norm.default") for t in targets), targets
+  assert any(t.endswith("flash_attention.default") for t in targets), targets
+  exported = {name.split("::")[1] for name, _ in boundary.exported}
+  assert exported == (set() if dynamic else {"rms_norm_tpu_jax", "flash_attention_tpu_jax"})
