@@ -16,7 +16,7 @@ listed by hand) the shim builds the TPU op with the real `torch.tpu.pallas.jax_o
 
 How the torch layer is made to reach the wheel under FakeTensorMode: a custom op's fake
 runs instead of its implementation there, so for the run through TorchTPU each public
-op's fake is pointed at its own implementation (`through_the_implementation`). The run
+op's fake is pointed at its own implementation (`recording_public_ops(kernel, through_tpu=True)`). The run
 with our fakes is the package as shipped.
 
 Backward: torch's autograd engine cannot run on "tpu" tensors here (it sizes its device
