@@ -17,19 +17,19 @@ from torch._library import custom_ops
 from torch_tpu._internal.pallas import pallas as torch_tpu_pallas
 
 
-def _ops_module(kernel):
+def ops_module_of(kernel):
   return sys.modules[f"{kernel.__name__}._custom_ops"]
 
 
-def _jax_kernels(kernel):
+def jax_kernels_of(kernel):
   """name -> JaxKernel of a loaded package: every one its _custom_ops module defines."""
   dispatch = sys.modules[f"{kernel.__name__}._shim.dispatch"]
-  return {k.qualname: k for k in vars(_ops_module(kernel)).values()
+  return {k.qualname: k for k in vars(ops_module_of(kernel)).values()
           if isinstance(k, dispatch.JaxKernel)}
 
 
-def _public_ops(kernel):
-  return [op for op in vars(_ops_module(kernel)).values()
+def public_ops_of(kernel):
+  return [op for op in vars(ops_module_of(kernel)).values()
           if isinstance(op, custom_ops.CustomOpDef)]
 
 
@@ -38,7 +38,7 @@ def recording_public_ops(kernel, *, through_tpu: bool):
   """Under FakeTensorMode: each public op call is recorded as (op, inputs, output), and
   runs its implementation (torch layer, shim, jax_op) if through_tpu, else its own fake."""
   calls = []
-  saved = [(op, op._abstract_fn) for op in _public_ops(kernel)]
+  saved = [(op, op._abstract_fn) for op in public_ops_of(kernel)]
 
   def recorder(op, fake):
     run = op._init_fn if through_tpu else fake

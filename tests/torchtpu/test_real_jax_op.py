@@ -39,7 +39,7 @@ import torch
 from torch._library import custom_ops
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fake_tpu import (_jax_kernels, _ops_module, experts_module, on_device as _on,
+from fake_tpu import (jax_kernels_of, ops_module_of, experts_module, on_device as _on,
                       recording_public_ops)
 
 KERNEL_FIXTURES = ("rms", "ragged", "flash", "paged")
@@ -102,7 +102,7 @@ def _normal(schema_type: str) -> str:
 @pytest.mark.parametrize("fixture", KERNEL_FIXTURES)
 def test_inferred_schema_matches_the_public_op(fixture, request, boundary):
   kernel = request.getfixturevalue(fixture)
-  kernels = _jax_kernels(kernel)
+  kernels = jax_kernels_of(kernel)
   assert kernels
   for qualname, k in kernels.items():
     tpu_op = k._tpu_op
@@ -261,7 +261,7 @@ def test_public_api_through_the_real_jax_op(name, request, boundary):
   assert through == ours
   assert all(m is None or m[2] == "tpu" for m in through)
   assert boundary.exported, "the torch layer never reached jax_op"
-  kernels = _jax_kernels(kernel)
+  kernels = jax_kernels_of(kernel)
   for op_name, exported in boundary.exported:
     qualname = op_name.removesuffix("_tpu_jax")
     assert qualname in kernels, op_name
@@ -278,7 +278,7 @@ def test_cases_reach_every_jax_kernel(request):
   """After the cases above: every JaxKernel of the four packages was exported for TPU."""
   wanted = set()
   for fixture in KERNEL_FIXTURES:
-    wanted |= set(_jax_kernels(request.getfixturevalue(fixture)))
+    wanted |= set(jax_kernels_of(request.getfixturevalue(fixture)))
   if not _REACHED:
     pytest.fail("run with test_public_api_through_the_real_jax_op (same session)")
   assert wanted - _REACHED == set()
@@ -291,7 +291,7 @@ def test_cache_write_donates_the_caches_through_the_real_jax_op(paged, boundary)
   """write_kv_cache's TPU op is built with donate_argnums=(0, 1): the program jax_op
   exports aliases both caches to its outputs, and the device call (the stubbed boundary)
   is asked to donate them. Real "tpu" tensors here: allocated, never computed on."""
-  write = _ops_module(paged)._write
+  write = ops_module_of(paged)._write
   assert write.donate_argnums == (0, 1)
   caches = [torch.empty((PAGES, HKV, PAGE, D), dtype=torch.bfloat16, device="tpu")
             for _ in range(2)]
