@@ -8,8 +8,9 @@
 #   leg 3: .venv-torchtpu (Python 3.11, the real torch-tpu 0.2.0 wheel, never autoloaded):
 #          tests/torchtpu, every op through TorchTPU's jax_op up to the device call; the
 #          programs it exports are compiled for v5e / v6e by .venv-jax012's libtpu
-# The four runs go at the same time: each is mostly one busy core and this machine has two,
-# so no core idles while the longest run finishes (as it did when leg 1 was one run).
+# 1a, 1b and leg 2 go at the same time, and leg 3 once leg 2 is done: each run is mostly one
+# busy core and this machine has two, so no core idles while the longest run finishes (as it
+# did when leg 1 was one run), and no more than three runs share them.
 # 1b's and leg 2's output is kept in build-reports/test-leg1b.log and test-leg2.log and
 # printed when 1a is done. Each run reports its 15 slowest tests, and every test's time in
 # build-reports/junit-leg*.xml. Extra arguments go to every pytest run.
@@ -26,14 +27,17 @@ source scripts/env.sh
 # 128, RMSNorm at hidden 1000, 4096 and 16384, ragged-dot at Qwen3-30B-A3B. The rest
 # (other head dims, head counts, hidden sizes and models, the flash tuning table: half of
 # the whole suite's compile time) leg 1 compiles. The per-chip VMEM-default check runs
-# for both chips on both legs. A -k of yours replaces this selection on leg 2 (pytest
-# keeps the last -k).
+# for both chips on both legs. The sharded programs and the MoE composition (test_moe) are
+# leg 1's only: they test how the kernels compose (shard_map, routing), which the second
+# stack's kernel tests already reach, and they were 800 s of leg 2. A -k of yours replaces
+# this selection on leg 2 (pytest keeps the last -k).
 leg2_skip=(  # -k takes one line: one clause per line here, joined below
   "aot and v5e and not default_scoped_vmem_limit"
   "test_flash_attention_aot and (tuning_table_entries or default_shapes and not [128-v6e])"
   "test_paged_attention_aot and decode_defaults and not [32-8-128-v6e]"
   "test_aot_compile and model_shapes and not ([1000-v6e] or [4096-v6e] or [16384-v6e])"
-  "test_ragged_dot_aot and model_shapes and not [qwen3-30b-a3b-v6e]")
+  "test_ragged_dot_aot and model_shapes and not [qwen3-30b-a3b-v6e]"
+  "test_flash_attention_sharded or test_ragged_dot_sharded or test_moe")
 leg2_select=$(printf ' and not (%s)' "${leg2_skip[@]}"); leg2_select=${leg2_select# and }
 leg2_profile=${HYPOTHESIS_PROFILE:-ci-second-stack}
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
@@ -48,21 +52,29 @@ background() {  # background NAME CMD...: run CMD with its output in build-repor
     exit $rc ) &
 }
 
+after() {  # after PID CMD...: run CMD once process PID has ended
+  local pid=$1; shift
+  while kill -0 "$pid" 2>/dev/null; do sleep 5; done
+  "$@"
+}
+
 echo "== leg 2 started in the background: Python 3.12, jax 0.12.0.1, libtpu 0.0.50.1 (tests/jax)"
+echo "   then leg 3: Python 3.11, torch-tpu 0.2.0 (tests/torchtpu)"
 HYPOTHESIS_PROFILE=$leg2_profile background leg2 offline .venv-jax012/bin/python -m pytest \
   tests/jax -k "$leg2_select" --durations=15 \
   --junitxml=build-reports/junit-leg2.xml "$@"
 leg2_pid=$!
+# Leg 3 waits for leg 2 (the shortest of the long runs) so that three runs, not four, share
+# the two cores (`after`: a background run cannot `wait` for its sibling, so it polls).
+background leg3 after "$leg2_pid" offline .venv-torchtpu/bin/python -m pytest tests/torchtpu --durations=15 \
+  --junitxml=build-reports/junit-leg3.xml "$@"
+leg3_pid=$!
 leg1b_files=(tests/jax/test_aot_compile.py tests/jax/test_paged_attention_aot.py
              tests/jax/test_ragged_dot_aot.py tests/torch tests/release)
 echo "== leg 1b started in the background: Python 3.11, torch 2.13.0 (${leg1b_files[*]})"
 background leg1b offline .venv/bin/python -m pytest "${leg1b_files[@]}" --durations=15 \
   --junitxml=build-reports/junit-leg1b.xml "$@"
 leg1b_pid=$!
-echo "== leg 3 started in the background: Python 3.11, torch-tpu 0.2.0 (tests/torchtpu)"
-background leg3 offline .venv-torchtpu/bin/python -m pytest tests/torchtpu --durations=15 \
-  --junitxml=build-reports/junit-leg3.xml "$@"
-leg3_pid=$!
 trap 'kill $leg2_pid $leg1b_pid $leg3_pid 2>/dev/null' EXIT
 
 echo "== leg 1a: Python 3.11, jax 0.10.2 (tests/jax but the modules 1b runs)"
