@@ -168,7 +168,7 @@ def _check(p, x, out, lse, grads):
 
 
 def _examples(fraction):
-  """A share of the loaded hypothesis profile's example count (ci 25, thorough 150)."""
+  """A share of the loaded hypothesis profile's example count (tests/conftest.py)."""
   return max(1, round(settings.default.max_examples * fraction))
 
 

@@ -38,7 +38,7 @@ KV_LENS = [1, 5, 16, 17, 40, 64, 100, 256, 300]
 
 
 def _examples(fraction):
-  """A share of the loaded hypothesis profile's example count (ci 25, thorough 150)."""
+  """A share of the loaded hypothesis profile's example count (tests/conftest.py)."""
   return max(1, round(settings.default.max_examples * fraction))
 
 
