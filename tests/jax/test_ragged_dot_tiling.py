@@ -131,9 +131,9 @@ def test_a_rerun_keeps_a_keys_other_ratings_and_replaces_its_heuristic():
                                     *new]
 
 
-def test_summary_rates_against_the_roofline_and_is_the_readme_table():
+def test_summary_rates_against_the_roofline_and_is_the_performance_page_table():
   """`tune_ragged_dot.py --summary` divides the roofline by each prediction (capped at 1);
-  the README's table is its output for the shipped log, one row per tuned key."""
+  docs/performance.md's table is its output for the shipped log, one row per tuned key."""
   import tune_ragged_dot as T
   import tuning
   key = R.TuningKey("v6e", "bfloat16", 1, 8192, 768, 2048, 128)
@@ -151,5 +151,5 @@ def test_summary_rates_against_the_roofline_and_is_the_readme_table():
 
   shipped = T.summary(tuning.read_log(T.ROOT / "benchmarks/results/ragged_tuning.jsonl"))
   assert len(shipped) == 2 + len(T.grid())
-  readme = (T.ROOT / "README.md").read_text()
-  assert "\n".join("  " + l for l in shipped) in readme
+  performance = (T.ROOT / "docs" / "performance.md").read_text()
+  assert "\n".join(shipped) in performance
