@@ -6,8 +6,9 @@ For a kernel `rms-norm-tpu` with torch package `rms_norm_tpu`, dist/rms-norm-tpu
 
     build.toml                         kernel-builder edition 5, [torch-noarch]
     flake.nix                          kernel-builder's genKernelFlakeOutputs
-    README.md                          the card (its release section quotes the kernel's rows of
-                                       benchmarks/results/estimates.md and shows estimates.png)
+    README.md                          the card: opens with the install line and estimates.png;
+                                       its release section quotes the kernel's rows of
+                                       benchmarks/results/estimates.md
     estimates.png                      benchmarks/results/estimates-<stem>.png: the card's chart
     torch-ext/rms_norm_tpu/            the package as kernel-builder would build it:
         __init__.py, layers.py, ...    from torch-ext/rms_norm_tpu/
@@ -163,6 +164,7 @@ def _add_release_metadata(metadata: dict, variant: Path, collection: dict,
 
 
 CARD_CHART = "estimates.png"   # the kernel's chart, at the root of its Hub repo
+NO_ESTIMATES = "No static estimates recorded for this kernel yet; nothing here was measured on a TPU."
 
 
 def _estimates_chart(hub_name: str, manifest: dict) -> Path | None:
@@ -191,6 +193,19 @@ def _estimates_table(hub_name: str, manifest: dict) -> list[str]:
   return [lines[start], lines[start + 1], *rows] if rows else []
 
 
+def card_opening(hub_name: str, manifest: dict) -> dict[str, str]:
+  """What a card's first screen quotes from outside the card: `{install}`, the TPU-VM
+  install line (build.toml `tpu-vm-install`), and `{chart}`, the kernel's chart (shipped
+  at the repo root as CARD_CHART) or, with no estimates recorded, the sentence saying so."""
+  install = manifest["collection"]["tpu-vm-install"]
+  if _estimates_table(hub_name, manifest) and _estimates_chart(hub_name, manifest):
+    chart = (f"![static estimates: efficiency (roofline / prediction) of this kernel, XLA "
+             f"and the other kernels rated, per case, v5e and v6e]({CARD_CHART})")
+  else:
+    chart = NO_ESTIMATES
+  return {"install": install, "chart": chart}
+
+
 def release_notes(hub_name: str, manifest: dict, namespace: str, commit: str | None,
                   dirty: list[str] | None) -> str:
   """The card's generated "Release" section, from build.toml, changelog/<name>.md and
@@ -207,7 +222,6 @@ def release_notes(hub_name: str, manifest: dict, namespace: str, commit: str | N
     built_from = f"{source} at commit `{commit}`" + (" plus uncommitted changes" if dirty else "")
   changes = release.changelog_entry(hub_name, version, ROOT) or (
       f"(no `## v{version}` entry in changelog/{hub_name}.md)")
-  install = collection.get("tpu-vm-install", 'pip install torch-tpu "jax[tpu]" kernels')
   out = [
       "## Release",
       "",
@@ -226,24 +240,15 @@ def release_notes(hub_name: str, manifest: dict, namespace: str, commit: str | N
       "",
       changes,
       "",
-      "### Install on a TPU VM",
-      "",
-      "```",
-      install,
-      "```",
-      "",
       "### Benchmarks: static estimates, not measured",
       "",
   ]
   table = _estimates_table(hub_name, manifest)
   if table:
     out += ["Static estimates from libtpu's cycle count (`benchmarks/estimate.py`), not "
-            "measured on a TPU:", "", *table]
-  if table and _estimates_chart(hub_name, manifest):
-    out += ["", f"![static estimates: efficiency (roofline / prediction) of this kernel, XLA "
-            f"and the other kernels rated, per case, v5e and v6e]({CARD_CHART})"]
+            "measured on a TPU (the chart at the top of this card draws them):", "", *table]
   else:
-    out += ["No static estimates recorded for this kernel yet; nothing here was measured on a TPU."]
+    out += [NO_ESTIMATES]
   out += [
       "",
       "### Pin and verify",
@@ -290,8 +295,8 @@ def build_kernel(hub_name: str, manifest: dict, out_dir: Path) -> Path:
   card = (ROOT / kernel["card"]).read_text()
   (repo / "README.md").write_text(card.format(
       repo_id=f"{collection['hub-org']}/{hub_name}", version=kernel["version"],
-      namespace=namespace).rstrip("\n") + "\n\n" + release_notes(
-          hub_name, manifest, namespace, commit, dirty))
+      namespace=namespace, **card_opening(hub_name, manifest)).rstrip("\n") + "\n\n" +
+      release_notes(hub_name, manifest, namespace, commit, dirty))
   _write_build_report(hub_name, manifest, out_dir, namespace, commit, dirty)
   return repo
 

@@ -64,10 +64,10 @@ def test_card_release_section(repo):
   manifest = release.load_manifest(repo)
   head = git(repo, "rev-parse", "HEAD")
   install = manifest["collection"]["tpu-vm-install"]
-  assert install.startswith("pip install torch-tpu") and "jax[tpu]" in install
+  assert install.startswith("pip install torch-tpu==") and "jax==" in install and "libtpu==" in install
   for name in ("rms-norm-tpu", "ragged-dot-tpu", "flash-attention-tpu"):
     card = (dist / name / "README.md").read_text()
-    notes = card[card.index("## Release"):]
+    opening, notes = card[:card.index("## Release")], card[card.index("## Release"):]
     assert card.count("## Release") == 1
     assert f"branch `v1` of `tpu-kernels/{name}`" in notes
     assert f"get_kernel(\"tpu-kernels/{name}\", version=1)" in notes
@@ -76,11 +76,13 @@ def test_card_release_section(repo):
     for dtype in manifest["kernel"][name]["dtypes"]:
       assert dtype in notes
     assert release.changelog_entry(name, 1, repo) in notes
-    assert f"```\n{install}\n```" in notes
+    # the install line and the chart open the card, before its details
+    assert f"```\n{install}\n```" in opening and install not in notes
+    assert opening.index(install) < opening.index("## Details")
     assert "static estimates, not measured" in notes
     assert "{" not in notes
-    # the kernel's own chart, shipped at the repo root and shown by the card
-    assert f"]({build_py.CARD_CHART})" in notes
+    # the kernel's own chart, shipped at the repo root and shown near the card's top
+    assert f"]({build_py.CARD_CHART})" in opening[:opening.index("## Details")]
     chart = (dist / name / build_py.CARD_CHART).read_bytes()
     assert chart[:8] == b"\x89PNG\r\n\x1a\n"
     assert chart == (repo / "benchmarks" / "results" /
@@ -100,6 +102,7 @@ def test_card_release_section(repo):
   notes = build_py.release_notes("new-kernel-tpu", planned, "_ns", None, None)
   assert "No static estimates recorded for this kernel yet" in notes
   assert build_py.CARD_CHART not in notes
+  assert build_py.card_opening("new-kernel-tpu", planned)["chart"] == build_py.NO_ESTIMATES
   # The technical content of the card is untouched: the card, formatted, comes first.
   source_card = (repo / manifest["kernel"]["rms-norm-tpu"]["card"]).read_text()
   assert rms.startswith(source_card[:source_card.index("{version}")])
