@@ -1,0 +1,177 @@
+"""The front page stays true (issue 29): README.md opens with the two commands, every
+relative link of README.md, docs/*.md and the cards resolves, the TPU-VM install line is
+the tested lock's, and every number the front page and the cards' openings quote is in the
+results file it comes from (benchmarks/results/estimates.md, written by
+benchmarks/estimate.py). Text only: no jax, no torch; well under a second."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+ESTIMATES = ROOT / "benchmarks" / "results" / "estimates.md"
+CARD_CHART = "estimates.png"   # scripts/build.py CARD_CHART: the chart at the Hub repo's root
+
+TWO_COMMANDS = """# Pallas TPU kernels for PyTorch
+
+```bash
+bash scripts/setup.sh     # 1. set up .venv (+ .venv-jax012) from pinned locks, build the Hub repos, run the main job
+bash scripts/test.sh      # 2. run every test, network cut, on both JAX stacks
+```
+"""
+
+# A decimal number standing alone: "81.85", "1,211.24", "4.55" (of "4.55x"); not a piece of
+# a version such as "0.0.42.1" or "0.12.0.1".
+DECIMAL = re.compile(r"(?<![\d.])\d[\d,]*\.\d+(?![\d.])")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _cards() -> list[Path]:
+  return sorted(ROOT.glob("torch-ext/*/CARD.md"))
+
+
+def _docs() -> list[Path]:
+  return sorted((ROOT / "docs").glob("*.md"))
+
+
+def _prose(text: str) -> str:
+  """The text without fenced code blocks and inline code (links there are code, not links)."""
+  text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+  return re.sub(r"`[^`\n]*`", "", text)
+
+
+def _slug(heading: str) -> str:
+  """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+  text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+  return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+  seen: dict[str, int] = {}
+  anchors = set()
+  text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+  for line in text.splitlines():
+    m = re.match(r"#{1,6} (.+)", line)
+    if m:
+      slug = _slug(m.group(1))
+      anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+      seen[slug] = seen.get(slug, 0) + 1
+  return anchors
+
+
+def _section(text: str, heading: str) -> str:
+  start = text.index(heading)
+  end = text.find("\n## ", start + len(heading))
+  return text[start:] if end < 0 else text[start:end]
+
+
+def _table(text: str, header_start: str) -> list[list[str]]:
+  """The rows (cells stripped) of the first markdown table whose header starts so."""
+  lines = text.splitlines()
+  start = next(i for i, l in enumerate(lines) if l.startswith(header_start))
+  rows = []
+  for line in lines[start + 2:]:
+    if not line.startswith("|"):
+      break
+    rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+  return rows
+
+
+def _number(cell: str) -> float:
+  return float(DECIMAL.search(cell).group().replace(",", ""))
+
+
+def test_readme_opens_with_the_two_commands():
+  assert README.read_text().startswith(TWO_COMMANDS)
+  assert (ROOT / "scripts" / "setup.sh").is_file() and (ROOT / "scripts" / "test.sh").is_file()
+
+
+@pytest.mark.parametrize("path", [README, *_docs(), *_cards()], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(path):
+  is_card = path.name == "CARD.md"
+  broken = []
+  for target in LINK.findall(_prose(path.read_text())):
+    if re.match(r"[a-z]+:", target):   # https:, mailto:
+      continue
+    if is_card:
+      # A card is the Hub repo's README: the only relative file there is the chart the
+      # build ships beside it; anything else must be an absolute link.
+      if target != CARD_CHART:
+        broken.append(f"{target} (a card may link only {CARD_CHART} relatively)")
+      continue
+    file_part, _, anchor = target.partition("#")
+    resolved = (path.parent / file_part).resolve() if file_part else path
+    if not resolved.exists():
+      broken.append(f"{target}: no such file")
+    elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+      broken.append(f"{target}: no heading with anchor #{anchor}")
+  assert not broken, broken
+
+
+def test_install_line_is_the_tested_lock():
+  """README and cards (build.toml tpu-vm-install) give one install line, and each of its
+  pins is requirements-torchtpu.txt's, the stack tests/torchtpu runs the real wheel on."""
+  with open(ROOT / "build.toml", "rb") as f:
+    install = tomllib.load(f)["collection"]["tpu-vm-install"]
+  assert f"```\n{install}\n```" in _section(README.read_text(), "## Install on a TPU VM")
+  norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+  lock = {norm(l.split("==")[0]): l.split("==")[1].strip()
+          for l in (ROOT / "requirements-torchtpu.txt").read_text().splitlines()
+          if "==" in l and not l.startswith("#")}
+  pins = re.findall(r"([A-Za-z0-9_.\-]+)==([\w.]+)", install)
+  assert {norm(n) for n, _ in pins} >= {"torch-tpu", "torch", "jax", "jaxlib", "libtpu", "kernels"}
+  for name, version in pins:
+    assert lock.get(norm(name)) == version, (name, version, lock.get(norm(name)))
+  for card in _cards():
+    assert "```\n{install}\n```" in card.read_text().split("## Details")[0], card
+
+
+def test_headline_rows_are_the_estimates_files():
+  """Each row of the README's headline table is the same case's row of estimates.md's
+  targets table: our µs, efficiency, the best other's µs and the ratio, and the best
+  other named by its first word (xla / jax / tokamax)."""
+  perf = _section(README.read_text(), "## Performance (static estimates, not measurements)")
+  assert "static estimate" in perf.splitlines()[0].lower()
+  ours = _table(perf, "| case (static estimate")
+  targets = {(r[0], r[1]): r for r in _table(ESTIMATES.read_text(), "| case | chip | ours µs |")}
+  assert len(ours) >= 8
+  for case, chip, us, efficiency, other, other_us, ratio in ours:
+    row = targets.get((case, chip))
+    assert row is not None, f"{case} on {chip}: not in {ESTIMATES.name}'s targets table"
+    _, _, r_us, r_efficiency, _, r_other, r_other_us, r_ratio = row
+    assert (us, _number(efficiency), other_us) == (r_us, _number(r_efficiency), r_other_us), case
+    assert ratio == r_ratio.split()[0], case
+    assert other.split()[0].lower() == r_other.split()[0].lower(), (other, r_other)
+
+
+def _estimate_numbers() -> set[float]:
+  return {float(n.replace(",", "")) for n in DECIMAL.findall(ESTIMATES.read_text())}
+
+
+def test_every_number_of_the_performance_section_is_in_the_estimates_file():
+  """The README's performance section (table and prose) quotes only numbers of
+  estimates.md; a number changed on the front page alone fails here."""
+  perf = _section(README.read_text(), "## Performance (static estimates, not measurements)")
+  quoted = {n for n in DECIMAL.findall(_prose(perf))}
+  assert quoted, "the performance section quotes no number"
+  missing = sorted(n for n in quoted if float(n.replace(",", "")) not in _estimate_numbers())
+  assert not missing, missing
+
+
+@pytest.mark.parametrize("card", _cards(), ids=lambda p: p.parent.name)
+def test_card_opening_quotes_the_estimates_file(card):
+  """A card's first screen (before Details) quotes speed from estimates.md: every number
+  with two decimals (µs, efficiencies, ratios) of its Performance section and of any line
+  giving µs is there; rounded figures (661 µs, 32.5 ms) are checked by eye."""
+  opening = _prose(card.read_text().split("## Details")[0])
+  speed = _section(opening, "## Performance (static estimates") + "\n".join(
+      l for l in opening.splitlines() if "µs" in l)
+  quoted = [n for n in DECIMAL.findall(speed) if re.fullmatch(r"[\d,]+\.\d\d", n)]
+  missing = sorted(n for n in quoted if float(n.replace(",", "")) not in _estimate_numbers())
+  assert not missing, missing
+  assert "{chart}" in opening and "static estimates, not measured" in opening.lower()
