@@ -268,9 +268,17 @@ def test_mask_function_rejects_other_patterns(registered):
   image_overlay = mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: q >= 0)
   with pytest.raises(NotImplementedError, match="mask pattern this kernel cannot compute"):
     registered.make_attention_mask(2, 8, 8, mask_function=image_overlay)
-  chunked = mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long))
+  bidirectional_window = mu.and_masks(mu.sliding_window_overlay(3),
+                                      mu.bidirectional_mask_function)
   with pytest.raises(NotImplementedError, match="cannot compute"):
-    registered.make_attention_mask(2, 8, 8, mask_function=chunked)
+    registered.make_attention_mask(2, 8, 8, mask_function=bidirectional_window)
+  # Chunked attention is computed (as chunk ids: test_attention_mask_safety.py), but not
+  # over packed sequences.
+  chunked = mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long))
+  packed_chunked = mu.packed_sequence_compatibility_function(
+      chunked, torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2), torch.tensor([[0] * 3 + [1] * 5] * 2))
+  with pytest.raises(NotImplementedError, match="chunked attention over packed sequences"):
+    registered.make_attention_mask(2, 8, 8, mask_function=packed_chunked)
   # Accepted patterns: the padding mask of the keys comes back (sliced to kv_length).
   padding = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
   window = mu.sliding_window_causal_mask_function(3)

@@ -31,7 +31,7 @@ import torch
 
 from . import _shim
 from ._custom_ops import flash_attention_op
-from ._shim import validation
+from ._shim import transformers_masks, validation
 from ._shim.validation import check_int32, check_ndim, dtype_name
 
 __all__ = ["DEFAULT_ATTENTION_NAME", "attention_forward", "flash_attention",
@@ -187,54 +187,40 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 #   * padding: a bool [B, Skv] mask of the valid keys (None without a 2-D mask); the
 #     attention call turns it into segment ids (keys: 1 valid / 0 padding, queries: 1);
 #   * packed sequences (position_ids restarting inside a row, no 2-D mask): the packed
-#     sequence index, an int32 [B, S] tensor, becomes the segment ids.
-# Anything else (or/and overlays such as image-token masks, chunked attention,
-# bidirectional windows, static caches whose unfilled slots need a mask, a ready-made 4-D
-# mask) raises NotImplementedError instead of computing another attention.
+#     sequence index, an int32 [B, S] tensor, becomes the segment ids;
+#   * chunked attention (Llama 4): causal within fixed-size chunks counted from each row's
+#     first valid token; the chunk index of each key, int32 [B, Skv] (padding keys -1),
+#     becomes the segment ids, the queries taking those of the last Sq keys.
+# Anything else (or/and overlays such as image-token masks, bidirectional windows, static
+# caches whose unfilled slots need a mask, a ready-made 4-D mask, a model that asks for its
+# causal mask materialized to add to it or read it itself) raises NotImplementedError
+# instead of computing another attention.
+#
+# The attention call cannot tell from its `attention_mask` alone what made it: None also
+# comes from Transformers when the name has an attention function but no mask function
+# (AttentionInterface.register(name, attention_forward) alone), and then a padded batch
+# would attend to its padding. So `attention_forward` first checks that the mask function
+# registered under the module's implementation name is this kernel's (it carries
+# transformers_masks.MARK), and raises otherwise.
 
 
-def _closure(fn) -> dict:
-  code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
-  if code is None or cells is None:
-    return {}
-  return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
-
-
-def _qualname(fn) -> str:
-  return getattr(fn, "__qualname__", type(fn).__name__)
-
-
-def _and_parts(fn) -> tuple | None:
-  if _qualname(fn) != "and_masks.<locals>.and_mask":
-    return None
-  return tuple(_closure(fn).get("mask_functions", ()))
-
-
-def _mask_pattern(mask_function):
-  """(pattern, packed_sequence_mask): pattern "causal", "sliding" or "bidirectional"."""
-  from transformers import masking_utils
-
-  packed, fn = None, mask_function
-  parts = _and_parts(fn)
-  if parts is not None and len(parts) == 2 and [_qualname(p) for p in parts] == [
-      "packed_sequence_mask_function.<locals>.inner_mask",
-      "remap_positions_for_packed_sequence.<locals>.inner_mask"]:
-    packed = _closure(parts[0])["packed_sequence_mask"]
-    fn = _closure(parts[1])["mask_function"]
-    parts = _and_parts(fn)
-  if fn is masking_utils.causal_mask_function:
-    return "causal", packed
-  if fn is masking_utils.bidirectional_mask_function:
-    return "bidirectional", packed
-  if parts is not None and len(parts) == 2 and (
-      _qualname(parts[0]) == "sliding_window_overlay.<locals>.inner_mask"
-      and parts[1] is masking_utils.causal_mask_function):
-    return "sliding", packed
-  raise NotImplementedError(
-      f"flash-attention-tpu: the model asks for a mask pattern this kernel cannot compute "
-      f"({_qualname(fn)}): it supports causal and sliding-window causal masks, padding and "
-      f"packed sequences, not or/and overlays (image tokens, blockwise), chunked attention "
-      f"or bidirectional windows. Use attn_implementation='eager' or 'sdpa' for this model")
+def _mask_pattern(mask_function) -> transformers_masks.MaskPattern:
+  """The pattern of a Transformers mask function, if this kernel computes it; raises
+  NotImplementedError otherwise."""
+  pattern = transformers_masks.mask_pattern(mask_function)
+  if pattern.kind == "chunked" and pattern.packed is not None:
+    raise NotImplementedError(
+        "flash-attention-tpu: chunked attention over packed sequences (position_ids that "
+        "restart inside a row) is not supported; pass one sequence per row with a 2-D "
+        "attention_mask, or use attn_implementation='eager' or 'sdpa'")
+  if pattern.kind == "other":
+    raise NotImplementedError(
+        f"flash-attention-tpu: the model asks for a mask pattern this kernel cannot compute "
+        f"({pattern.name}): it supports causal, sliding-window causal and chunked causal "
+        f"masks, padding and packed sequences, not or/and overlays (image tokens, "
+        f"blockwise) or bidirectional windows. Use attn_implementation='eager' or 'sdpa' "
+        f"for this model")
+  return pattern
 
 
 def make_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0,
@@ -242,16 +228,18 @@ def make_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset
                         attention_mask: torch.Tensor | None = None, **kwargs):
   """Transformers mask function (AttentionMaskInterface) for `attention_forward`.
 
-  Returns None (no padding), a bool [B, kv_length] mask of the valid keys, or int32 [B, S]
-  packed-sequence ids; raises NotImplementedError for patterns the kernel cannot compute.
+  Returns None (no padding), a bool [B, kv_length] mask of the valid keys, int32 [B, S]
+  packed-sequence ids, or int32 [B, kv_length] chunk ids (chunked attention; padding -1);
+  raises NotImplementedError for patterns the kernel cannot compute.
   """
   from transformers import masking_utils
 
   mask_function = masking_utils.causal_mask_function if mask_function is None else mask_function
-  pattern, packed = _mask_pattern(mask_function)
+  pattern = _mask_pattern(mask_function)
+  packed = pattern.packed
   # Causal patterns need the queries at the end of the keys (the attention call's q_offset
   # is Skv - Sq); bidirectional ones (encoders, cross-attention) do not look at positions.
-  if pattern != "bidirectional" and (
+  if pattern.kind != "bidirectional" and (
       isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor)
       or q_offset - kv_offset + q_length != kv_length):
     raise NotImplementedError(
@@ -259,18 +247,44 @@ def make_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset
         f"keys (no cache, or a DynamicCache); got query offset {q_offset}, key offset "
         f"{kv_offset}. Static caches (cache_implementation='static') leave unfilled slots "
         f"that need a mask: use a DynamicCache")
+  # Transformers turns allow_is_causal_skip off itself for packed sequences, overlays and
+  # compiled decoding (all handled above); a causal pattern without those means the model
+  # passed it: it adds to the [B, 1, Sq, Skv] mask or reads it (Doge's dynamic mask,
+  # Falcon's ALiBi, sparse-attention indexers, T5Gemma 2's merged attention), and would
+  # fail inside its own code on the reduced mask this function returns.
+  if (pattern.kind in ("causal", "sliding") and packed is None
+      and kwargs.get("allow_is_causal_skip", True) is False):
+    raise NotImplementedError(
+        "flash-attention-tpu: the model asks for its causal mask materialized as a [B, 1, "
+        "Sq, Skv] tensor (allow_is_causal_skip=False) to add to it or read it itself (for "
+        "example Doge's dynamic mask, Falcon's ALiBi, sparse-attention indexers); this "
+        "kernel takes no arbitrary mask. Use attn_implementation='eager' or 'sdpa' for this "
+        "model")
   if packed is not None:
     return packed.to(torch.int32)
-  if attention_mask is None:
-    return None
-  if attention_mask.dim() != 2:
-    raise NotImplementedError(f"flash-attention-tpu: expected a 2-D padding mask, got shape "
-                              f"{tuple(attention_mask.shape)}")
-  mask = attention_mask[:, -kv_length:].to(torch.bool)
-  if mask.shape[1] != kv_length:
-    raise NotImplementedError(f"flash-attention-tpu: the 2-D attention mask covers "
-                              f"{mask.shape[1]} keys, the keys are {kv_length}")
-  return mask
+  if attention_mask is not None:
+    if attention_mask.dim() != 2:
+      raise NotImplementedError(f"flash-attention-tpu: expected a 2-D padding mask, got shape "
+                                f"{tuple(attention_mask.shape)}")
+    attention_mask = attention_mask[:, -kv_length:].to(torch.bool)
+    if attention_mask.shape[1] != kv_length:
+      raise NotImplementedError(f"flash-attention-tpu: the 2-D attention mask covers "
+                                f"{attention_mask.shape[1]} keys, the keys are {kv_length}")
+  if pattern.kind == "chunked":
+    # Key j sits at position kv_offset + j; chunks start at each row's first valid token
+    # (Transformers' chunked_overlay). Padding keys get -1, which no valid query has.
+    chunk_size, left_padding = pattern.chunk_size, pattern.left_padding
+    device = left_padding.device if attention_mask is None else attention_mask.device
+    positions = torch.arange(kv_offset, kv_offset + kv_length, device=device)
+    chunk_ids = torch.div(positions[None, :] - left_padding.to(device)[:, None], chunk_size,
+                          rounding_mode="floor").to(torch.int32)
+    if attention_mask is not None:
+      chunk_ids = chunk_ids.masked_fill(~attention_mask, -1)
+    return chunk_ids.expand(batch_size, kv_length).contiguous()
+  return attention_mask
+
+
+setattr(make_attention_mask, transformers_masks.MARK, True)   # see check_mask_function
 
 
 _UNSUPPORTED_KWARGS = {
@@ -290,12 +304,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
   query [B, Hq, Sq, D], key / value [B, Hkv, Skv, D] (GQA without repeat_kv);
   `attention_mask` is what `make_attention_mask` (the mask function above) made: None, a bool
-  [B, Skv] padding mask or int32 [B, S] packed-sequence ids. Queries are the last Sq
-  keys' positions (q_offset = Skv - Sq, as with no cache or a DynamicCache). is_causal
-  (else module.is_causal), sliding_window, softcap (Gemma 2) and s_aux (gpt-oss sinks)
-  go to the kernel. Returns (attn_output [B, Sq, Hq, D], None): no attention weights.
+  [B, Skv] padding mask, or int32 [B, Skv] segment ids of the keys (packed sequences or
+  chunks). Raises RuntimeError if the mask function registered under
+  module.config._attn_implementation is not that one (see register_attention). Queries are
+  the last Sq keys' positions (q_offset = Skv - Sq, as with no cache or a DynamicCache).
+  is_causal (else module.is_causal), sliding_window, softcap (Gemma 2) and s_aux (gpt-oss
+  sinks) go to the kernel. Returns (attn_output [B, Sq, Hq, D], None): no attention weights.
   """
   op = "attention_forward"
+  transformers_masks.check_mask_function(op, module, "register_attention(name)")
   if dropout:
     raise NotImplementedError(
         f"{op}: attention dropout ({dropout}) is not implemented by the kernel; set the "
@@ -344,15 +361,18 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
       q_seg = kv_seg.new_ones((batch, q_len))
       segment_ids = (q_seg, kv_seg)
     elif attention_mask.dtype == torch.int32:
-      if q_len != kv_len:
-        raise NotImplementedError(f"{op}: packed-sequence ids need Sq == Skv, got {q_len} "
-                                  f"queries and {kv_len} keys")
+      # Packed-sequence ids (Sq == Skv) or chunk ids: one segment id per key; the queries
+      # are the last Sq keys and take theirs.
       validation.check_shape(op, "attention_mask", attention_mask, (batch, kv_len),
-                             "packed-sequence ids, [batch, seq_len]")
-      segment_ids = attention_mask
+                             "segment ids of the keys (packed sequences or chunks), "
+                             "[batch, kv_len]")
+      if not is_causal and q_len != kv_len:
+        raise NotImplementedError(f"{op}: int32 segment ids without causal masking need Sq "
+                                  f"== Skv, got {q_len} queries and {kv_len} keys")
+      segment_ids = (attention_mask[:, kv_len - q_len:], attention_mask)
     else:
       raise NotImplementedError(f"{op}: got a {dtype_name(attention_mask.dtype)} 2-D "
-                                f"attention_mask; expected bool padding or int32 packed ids "
+                                f"attention_mask; expected bool padding or int32 segment ids "
                                 f"from register_attention()'s mask function")
 
   sinks = s_aux

@@ -21,7 +21,7 @@ import dataclasses
 
 import torch
 
-from ._shim import validation
+from ._shim import transformers_masks, validation
 from .cache import PagedBatch, PagedKVCache
 
 DEFAULT_ATTENTION_NAME = "tpu_serving"
@@ -36,10 +36,34 @@ class ServingStep:
   batch: PagedBatch
 
 
-def make_attention_mask(*args, **kwargs):
+def make_attention_mask(batch_size: int = 1, q_length: int = 0, kv_length: int = 0,
+                        q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+                        **kwargs):
   """Transformers mask function (AttentionMaskInterface): no mask. The attention computes
-  its own causal (and sliding-window) visibility from the paging metadata."""
+  its own causal (and sliding-window) visibility from the paging metadata, so any other
+  pattern the model asks for (chunked, bidirectional, or/and overlays such as image
+  tokens, a causal mask to materialize and add to) raises NotImplementedError."""
+  if mask_function is None:
+    return None
+  pattern = transformers_masks.mask_pattern(mask_function)
+  if pattern.kind not in ("causal", "sliding"):
+    raise NotImplementedError(
+        f"paged-attention-tpu serving: the model asks for a mask pattern the paged "
+        f"attention does not compute ({pattern.kind}: {pattern.name}); it computes causal "
+        f"and sliding-window causal attention per sequence, not chunked or bidirectional "
+        f"attention or or/and overlays (image tokens, blockwise)")
+  # Transformers turns allow_is_causal_skip off itself for packed sequences (every
+  # multi-sequence step) and overlays; otherwise the model asked for a materialized mask
+  # to add to or read (Doge's dynamic mask, Falcon's ALiBi, indexers).
+  if pattern.packed is None and kwargs.get("allow_is_causal_skip", True) is False:
+    raise NotImplementedError(
+        "paged-attention-tpu serving: the model asks for its causal mask materialized "
+        "(allow_is_causal_skip=False) to add to it or read it itself; the paged attention "
+        "takes no mask")
   return None
+
+
+setattr(make_attention_mask, transformers_masks.MARK, True)   # see check_mask_function
 
 
 _UNSUPPORTED_KWARGS = ("position_bias", "cu_seq_lens_q", "cu_seq_lens_k")
@@ -57,6 +81,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
   the step's slots, then attends. Returns (attn_output [1, T, Hq, D], None).
   """
   op = "paged-attention-tpu attention_forward"
+  # Without this package's mask function, an unsupported mask pattern would go unnoticed.
+  transformers_masks.check_mask_function(op, module, "register_attention(name)")
   step = kwargs.get(STEP_KWARG)
   if not isinstance(step, ServingStep):
     raise ValueError(f"{op}: call the model with {STEP_KWARG}=ServingStep(cache, batch) "
@@ -91,7 +117,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 
 def register_attention(name: str = DEFAULT_ATTENTION_NAME) -> str:
-  """Registers `attention_forward` (and a mask function that builds no mask) with
+  """Registers `attention_forward` (and a mask function that builds no mask but refuses
+  patterns the paged attention does not compute) with
   Transformers under `name`; then `attn_implementation=name` serves through the paged
   cache. Returns `name`.
 

@@ -1,0 +1,192 @@
+"""No silent wrong attention in Transformers (issue 26, item 2), on tiny models built from
+their own configs (random weights, float32, CPU).
+
+* Registered the way Transformers documents for custom attention,
+  `AttentionInterface.register(name, kernel.attention_forward)`, without the kernel's mask
+  function, Transformers passes attention_mask=None: a left-padded batch then attended to
+  its padding (logits 1.07 relative off on this Llama, no error). Now every route into
+  the attention (forward with and without padding, training forward, generate with and
+  without padding, Gemma 2's sliding and full layers, a name whose mask function is
+  another one) raises a RuntimeError naming register_attention(); register_attention()
+  itself equals eager on the same left-padded batch. The same for paged-attention-tpu's
+  serving attention, whose mask function refuses the patterns it does not compute.
+* Llama 4's chunked attention (causal within chunks counted from each row's first valid
+  token) runs on the kernel as segment ids (one chunk index per key): forward on a
+  left-padded batch and greedy generation across chunk boundaries equal eager.
+* Doge builds its own dynamic mask on top of the causal one and needs that materialized:
+  the kernel's mask function refuses it (NotImplementedError raised in the kernel package)
+  before Doge's code could fail on the reduced mask (it raised IndexError inside
+  modeling_doge.py).
+
+float32 tolerance: rtol = atol = 1e-4 of eager, as in test_flash_attention_models.py.
+"""
+
+import traceback
+
+import pytest
+import torch
+
+import reference as ref
+import transformers_integration as ti
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+BARE = "bare_tpu_attention"        # attention function only, no mask function
+OTHER_MASK = "tpu_attention_other_mask"   # attention function + Transformers' sdpa mask
+SEQ, PAD = 16, 5
+VOCAB = ti._TINY["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def registered(flash):
+  from transformers import AttentionInterface, AttentionMaskInterface
+  from transformers.masking_utils import sdpa_mask
+
+  flash.register_attention()
+  AttentionInterface.register(BARE, flash.attention_forward)
+  AttentionInterface.register(OTHER_MASK, flash.attention_forward)
+  AttentionMaskInterface.register(OTHER_MASK, sdpa_mask)
+  return flash
+
+
+def _batch(seed=1, seq=SEQ):
+  gen = torch.Generator().manual_seed(seed)
+  ids = torch.randint(3, VOCAB, (2, seq), generator=gen)
+  mask = torch.ones(2, seq, dtype=torch.long)
+  mask[1, :PAD] = 0
+  ids[1, :PAD] = 0
+  return ids, mask
+
+
+def _routes(model, ids, mask):
+  """Every way the tests drive a model into its attention."""
+  gen = dict(max_new_tokens=2, do_sample=False, pad_token_id=0)
+  return {
+      "forward": lambda: model(input_ids=ids),
+      "forward, left padding": lambda: model(input_ids=ids, attention_mask=mask),
+      "training forward": lambda: model.train()(input_ids=ids, labels=ids).loss.backward(),
+      "generate": lambda: model.eval().generate(ids[:1], **gen),
+      "generate, left padding": lambda: model.eval().generate(ids, attention_mask=mask, **gen),
+  }
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])   # gemma2: sliding + full layers
+def test_attention_without_its_mask_function_raises(registered, family):
+  model = ti.tiny_attention_model(family, torch.float32)
+  ids, mask = _batch()
+  for name, expected in ((BARE, f"no mask function is registered as '{BARE}'"),
+                         (OTHER_MASK, "is sdpa_mask")):
+    model.set_attn_implementation(name)
+    for route, run in _routes(model, ids, mask).items():
+      with pytest.raises(RuntimeError, match="register_attention") as err:
+        run()
+      assert expected in str(err.value), (name, route)
+
+
+def test_register_attention_matches_eager_on_left_padding(registered):
+  model = ti.tiny_attention_model("llama", torch.float32)
+  ids, mask = _batch()
+  valid = mask.bool()
+  with torch.no_grad():
+    model.set_attn_implementation("eager")
+    want = model(input_ids=ids, attention_mask=mask).logits
+    model.set_attn_implementation(registered.DEFAULT_ATTENTION_NAME)
+    got = model(input_ids=ids, attention_mask=mask).logits
+  ref.assert_close(got[valid], want[valid], TOL, what="logits")
+
+
+CHUNK = 6
+
+
+def _tiny_llama4():
+  """Two layers: 0 chunked (chunk 6, no RoPE), 1 full; dense MLPs (no MoE layer)."""
+  import transformers as tr
+
+  config = tr.Llama4TextConfig(**dict(ti._TINY_ATTENTION, num_hidden_layers=2),
+                               intermediate_size_mlp=128, num_local_experts=2,
+                               attention_chunk_size=CHUNK, no_rope_layers=[1, 0], moe_layers=[])
+  assert config.layer_types == ["chunked_attention", "full_attention"]
+  torch.manual_seed(0)
+  return tr.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def test_llama4_chunked_attention_matches_eager(registered):
+  model = _tiny_llama4()
+  ids, mask = _batch(seq=20)           # row 1: 5 padding tokens, then 15 in chunks of 6
+  valid = mask.bool()
+  with torch.no_grad():
+    want = model(input_ids=ids, attention_mask=mask).logits
+    model.config.attention_chunk_size = 4 * SEQ   # the chunks matter in this model
+    unchunked = model(input_ids=ids, attention_mask=mask).logits
+    model.config.attention_chunk_size = CHUNK
+    assert (unchunked - want)[valid].abs().max() > 0.1 * want.abs().max()
+    model.set_attn_implementation(registered.DEFAULT_ATTENTION_NAME)
+    got = model(input_ids=ids, attention_mask=mask).logits
+  ref.assert_close(got[valid], want[valid], TOL, what="logits")
+  # Greedy generation with a DynamicCache: prompt 10 (row 1: 5 padding), 7 new tokens,
+  # crossing chunk boundaries during decode.
+  kwargs = dict(attention_mask=mask[:, :10], max_new_tokens=7, do_sample=False,
+                output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+  model.set_attn_implementation("eager")
+  want = model.generate(ids[:, :10], **kwargs)
+  model.set_attn_implementation(registered.DEFAULT_ATTENTION_NAME)
+  got = model.generate(ids[:, :10], **kwargs)
+  assert torch.equal(got.sequences, want.sequences)
+  for a, b in zip(got.scores, want.scores):
+    ref.assert_close(a, b, TOL, what="scores")
+
+
+def test_chunk_ids_of_the_mask_function(registered):
+  from transformers import masking_utils as mu
+
+  left_padding = torch.tensor([0, 2])
+  chunked = mu.chunked_causal_mask_function(3, left_padding)
+  padding = torch.tensor([[1] * 8, [0, 0] + [1] * 6], dtype=torch.bool)
+  got = registered.make_attention_mask(2, 8, 8, mask_function=chunked, attention_mask=padding)
+  assert got.dtype == torch.int32
+  assert got.tolist() == [[0, 0, 0, 1, 1, 1, 2, 2], [-1, -1, 0, 0, 0, 1, 1, 1]]
+  # Decode through a cache holding positions 3..8: the keys' absolute positions count.
+  got = registered.make_attention_mask(2, 1, 6, q_offset=8, kv_offset=3, mask_function=chunked,
+                                       attention_mask=torch.ones(2, 9, dtype=torch.bool))
+  assert got.tolist() == [[1, 1, 1, 2, 2, 2], [0, 0, 1, 1, 1, 2]]
+
+
+def test_doge_is_refused_by_the_mask_function_not_inside_doge(registered):
+  import transformers as tr
+
+  config = tr.DogeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, keep_window_size=8)
+  torch.manual_seed(0)
+  model = tr.AutoModelForCausalLM.from_config(
+      config, attn_implementation=registered.DEFAULT_ATTENTION_NAME).eval()
+  ids, mask = _batch()
+  for kwargs in ({}, {"attention_mask": mask}):
+    with pytest.raises(NotImplementedError, match="materialized") as err:
+      model(input_ids=ids, **kwargs)
+    frame = traceback.extract_tb(err.value.__traceback__)[-1]
+    assert frame.name == "make_attention_mask" and "modeling_doge" not in frame.filename
+
+
+def test_serving_attention_without_its_mask_function_raises(paged):
+  from transformers import AttentionInterface
+  from transformers import masking_utils as mu
+
+  AttentionInterface.register("bare_tpu_serving", paged.attention_forward)
+  model = ti.tiny_attention_model("llama", torch.float32, num_hidden_layers=1)
+  model.set_attn_implementation("bare_tpu_serving")
+  ids, _ = _batch()
+  with pytest.raises(RuntimeError, match="register_attention"):
+    model(input_ids=ids[:1], use_cache=False)
+  # Its own mask function passes causal and sliding patterns (packed or not), refuses
+  # the rest.
+  assert paged.make_attention_mask(1, 8, 8, mask_function=mu.causal_mask_function) is None
+  window = mu.sliding_window_causal_mask_function(4)
+  assert paged.make_attention_mask(1, 8, 8, mask_function=window) is None
+  for pattern in (mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)),
+                  mu.bidirectional_mask_function,
+                  mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: q >= 0)):
+    with pytest.raises(NotImplementedError, match="does not compute"):
+      paged.make_attention_mask(1, 8, 8, mask_function=pattern)
+  with pytest.raises(NotImplementedError, match="materialized"):
+    paged.make_attention_mask(1, 8, 8, mask_function=mu.causal_mask_function,
+                              allow_is_causal_skip=False)
