@@ -9,6 +9,7 @@ or CPU. Forward only: for serving.
                     v_scale=None)                       (in place; returns None)
     PagedKVCache, PagedBatch                            (page allocation, step metadata)
     register_attention(name="tpu_serving")              (Transformers serving loop)
+    set_continuous_batching_attention(model)            (Transformers' generate_batch)
 
 Layout, per layer: k_cache and v_cache are each [num_pages, Hkv, page_size, D] (page-major:
 one page of every KV head is one contiguous run, one DMA); token j of sequence s lives at
@@ -35,12 +36,17 @@ from ._custom_ops import QUANTIZED_DTYPES, ragged_paged_attention_op, write_kv_c
 from ._shim import validation
 from ._shim.validation import check_int32, check_ndim, dtype_name
 from .cache import PagedBatch, PagedKVCache
+from .continuous_batching import (CONTINUOUS_BATCHING_ATTENTION_NAME,
+                                  continuous_batching_attention, register_continuous_batching,
+                                  set_continuous_batching_attention)
 from .serving import (DEFAULT_ATTENTION_NAME, ServingStep, attention_forward,
                       make_attention_mask, register_attention)
 
-__all__ = ["DEFAULT_ATTENTION_NAME", "PagedBatch", "PagedKVCache", "ServingStep",
-           "attention_forward", "make_attention_mask", "ragged_paged_attention",
-           "register_attention", "write_kv_cache_"]
+__all__ = ["CONTINUOUS_BATCHING_ATTENTION_NAME", "DEFAULT_ATTENTION_NAME", "PagedBatch",
+           "PagedKVCache", "ServingStep", "attention_forward", "continuous_batching_attention",
+           "make_attention_mask", "ragged_paged_attention", "register_attention",
+           "register_continuous_batching", "set_continuous_batching_attention",
+           "write_kv_cache_"]
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 

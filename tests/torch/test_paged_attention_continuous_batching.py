@@ -1,0 +1,210 @@
+"""Transformers' own continuous batching on paged-attention-tpu (issue 27): tiny randomly
+initialised Llama (GQA: 4 query heads, 2 KV heads), Qwen3 (q/k norms) and gpt-oss
+(attention sinks; sliding window 8 on every other layer), 2 layers, float32
+(scripts/transformers_integration.py), served by `model.generate_batch` after
+`set_continuous_batching_attention(model)`, give the same greedy tokens as
+`model.generate(do_sample=False)` run on each prompt alone with eager attention. Exact
+token equality: float32 on both sides, the attention sums differ only in order.
+
+The workload makes the engine do what a server does: five prompts of 5 to 44 tokens, a
+step budget of 32 tokens (a 44-token prompt is prefilled in two chunks, the second after
+its cached prefix) and at most 4 requests per step, and a cache too small for all
+requests at once, so that requests wait for pages other requests free. Each case checks
+that this happened: a page (block) held by two different requests in turn, a kernel call
+that mixes a decode token with a prefill chunk, one write_kv_cache_ and one
+ragged_paged_attention call per layer per step, and the kernel reading the engine's own
+cache tensor (same storage, no copy). A corrupted page must change the tokens.
+
+Default cases: (llama, page 16), (qwen3, page 64), (gpt_oss, page 16). With
+HYPOTHESIS_PROFILE=thorough: every family with both page sizes.
+"""
+
+import itertools
+import os
+
+import pytest
+import torch
+
+import transformers_integration as ti
+
+NEW_TOKENS = 6
+PROMPT_LENGTHS = (5, 21, 37, 12, 44)
+MAX_BATCH_TOKENS = 32
+MAX_REQUESTS_PER_BATCH = 4
+# Blocks (pages of every layer) in the cache: fewer than all requests together need
+# (12 at page 16, 5 at page 64) and enough for the longest one alone.
+NUM_BLOCKS = {16: 6, 64: 3}
+FAMILIES = ("llama", "qwen3", "gpt_oss")
+PAGE_SIZES = (16, 64)
+CASES = ([("llama", 16), ("qwen3", 64), ("gpt_oss", 16)]
+         if os.environ.get("HYPOTHESIS_PROFILE") != "thorough"
+         else list(itertools.product(FAMILIES, PAGE_SIZES)))
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+  gen = torch.Generator().manual_seed(13)
+  return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def _generation_config():
+  from transformers import GenerationConfig
+
+  return GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None,
+                          pad_token_id=0)
+
+
+def _expected(model, prompts) -> list[list[int]]:
+  """Transformers' greedy generate, one prompt at a time, with its own attention."""
+  out = []
+  with torch.no_grad():
+    for prompt in prompts:
+      ids = model.generate(torch.tensor([prompt]), generation_config=_generation_config())
+      out.append(ids[0, len(prompt):].tolist())
+  return out
+
+
+class EngineRecorder:
+  """Records, through the engine's and the kernel's entry points, what a generate_batch
+  run did: the engine's cache, the blocks each request was given, and the query lengths
+  and K cache of every kernel call. `corrupt` zeroes (once) the first block of the
+  longest prompt's request when its first decode step is prepared."""
+
+  def __init__(self, monkeypatch, paged, corrupt: bool = False):
+    from transformers.generation.continuous_batching import PagedAttentionCache
+    from transformers.generation.continuous_batching.cache_allocators import (
+        FullAttentionCacheAllocator)
+
+    self.cache = None
+    self.blocks = {}                  # request id -> every block id it was given
+    self.q_lens = []                  # per attention call: the real sequences' q lengths
+    self.k_cache_storages = set()
+    self.writes = 0
+    self.corrupted = None
+    recorder = self
+    allocate = FullAttentionCacheAllocator.allocate_cache_to_request
+    extend = PagedAttentionCache.extend_read_and_write_indices
+
+    def recording_allocate(allocator, request_id, past_length, query_length):
+      allocate(allocator, request_id, past_length, query_length)
+      recorder.blocks.setdefault(request_id, set()).update(allocator.block_table[request_id])
+
+    def recording_extend(cache, request_id, past_length, query_length, read_index, write_index):
+      recorder.cache = cache
+      if (corrupt and recorder.corrupted is None
+          and past_length == max(PROMPT_LENGTHS) and query_length == 1):
+        for allocator in cache.cache_allocators.values():
+          allocator._copy_view[allocator.block_table[request_id][0]].zero_()
+        recorder.corrupted = request_id
+      return extend(cache, request_id, past_length, query_length, read_index, write_index)
+
+    attention_op, write_op = paged.ragged_paged_attention_op, paged.write_kv_cache_op
+
+    def recording_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, *rest):
+      lens = torch.diff(cu_q_lens).tolist()
+      recorder.q_lens.append([n for n in lens if n])
+      recorder.k_cache_storages.add(k_cache.untyped_storage().data_ptr())
+      return attention_op(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, *rest)
+
+    def recording_write(*args):
+      recorder.writes += 1
+      return write_op(*args)
+
+    monkeypatch.setattr(FullAttentionCacheAllocator, "allocate_cache_to_request",
+                        recording_allocate)
+    monkeypatch.setattr(PagedAttentionCache, "extend_read_and_write_indices", recording_extend)
+    monkeypatch.setattr(paged, "ragged_paged_attention_op", recording_attention)
+    monkeypatch.setattr(paged, "write_kv_cache_op", recording_write)
+
+
+def _serve(paged, model, prompts, page_size: int) -> list[list[int]]:
+  """generate_batch on the kernel; the model goes back to eager attention afterwards."""
+  from transformers import ContinuousBatchingConfig
+
+  config = ContinuousBatchingConfig(page_size=page_size, num_blocks=NUM_BLOCKS[page_size],
+                                    max_batch_tokens=MAX_BATCH_TOKENS,
+                                    max_requests_per_batch=MAX_REQUESTS_PER_BATCH)
+  assert paged.set_continuous_batching_attention(model) == paged.CONTINUOUS_BATCHING_ATTENTION_NAME
+  try:
+    outputs = model.generate_batch(prompts, generation_config=_generation_config(),
+                                   continuous_batching_config=config, warmup=False)
+  finally:
+    model.set_attn_implementation("eager")
+  assert len(outputs) == len(prompts)
+  for output in outputs.values():
+    assert output.error is None, output.error
+  return [output.generated_tokens for output in outputs.values()]
+
+
+@pytest.mark.parametrize("family,page_size", CASES)
+def test_generate_batch_matches_generate(paged, family, page_size, monkeypatch):
+  model = ti.tiny_attention_model(family, torch.float32)
+  prompts = _prompts(model.config.vocab_size)
+  expected = _expected(model, prompts)
+  recorder = EngineRecorder(monkeypatch, paged)
+  got = _serve(paged, model, prompts, page_size)
+  assert got == expected
+
+  # Every layer's cache is one full-attention group (gpt-oss's sliding layers included),
+  # with the requested page size.
+  (allocator,) = recorder.cache.cache_allocators.values()
+  assert allocator.layer_type == "full_attention"
+  assert allocator.layer_indices == list(range(model.config.num_hidden_layers))
+  assert allocator.tokens_per_page == page_size
+  # Requests waited for pages: some block served two requests in turn.
+  owners = {}
+  for request, blocks in recorder.blocks.items():
+    for block in blocks:
+      owners.setdefault(block, set()).add(request)
+  assert any(len(requests) > 1 for requests in owners.values()), recorder.blocks
+  # Decode tokens and prefill chunks in the same kernel call; one write and one attention
+  # per layer per step.
+  assert any(1 in lens and max(lens) > 1 for lens in recorder.q_lens), recorder.q_lens
+  layers = model.config.num_hidden_layers
+  assert recorder.writes == len(recorder.q_lens) and len(recorder.q_lens) % layers == 0
+  # The kernel read the engine's cache tensor itself.
+  assert recorder.k_cache_storages == {recorder.cache.cache_tensor.untyped_storage().data_ptr()}
+
+
+def test_a_corrupted_page_changes_the_tokens(paged, monkeypatch):
+  """The comparison has teeth: the same run with the longest prompt's first block (K and V
+  of every layer, in the engine's cache tensor) zeroed before its first decode step gives
+  other tokens for that prompt, and the same tokens for the others."""
+  family, page_size = CASES[0]
+  model = ti.tiny_attention_model(family, torch.float32)
+  prompts = _prompts(model.config.vocab_size)
+  expected = _expected(model, prompts)
+  recorder = EngineRecorder(monkeypatch, paged, corrupt=True)
+  got = _serve(paged, model, prompts, page_size)
+  assert recorder.corrupted is not None
+  longest = PROMPT_LENGTHS.index(max(PROMPT_LENGTHS))
+  assert got[longest] != expected[longest]
+  assert [g for i, g in enumerate(got) if i != longest] == [
+      e for i, e in enumerate(expected) if i != longest]
+
+
+def test_outside_the_engine_it_refuses(paged):
+  """generate() with the engine's attention still set is an error, not a silent fallback."""
+  model = ti.tiny_attention_model("llama", torch.float32)
+  paged.set_continuous_batching_attention(model)
+  with pytest.raises(ValueError, match="runs only inside Transformers. continuous batching"):
+    model.generate(torch.tensor([[5, 6, 7]]), generation_config=_generation_config())
+
+
+def test_other_models_keep_the_engines_cache_groups(paged):
+  """The one-group cache is only for models on this attention: the engine still gives an
+  eager gpt-oss its sliding-window group."""
+  from transformers.generation.continuous_batching import cache as cb_cache
+
+  paged.register_continuous_batching()
+  config = ti.tiny_attention_config("gpt_oss")
+  config._attn_implementation = "sdpa"
+  assert set(cb_cache.group_layers_by_attn_type(config)) == {"full_attention",
+                                                             "sliding_attention"}
+  config._attn_implementation = paged.CONTINUOUS_BATCHING_ATTENTION_NAME
+  assert cb_cache.group_layers_by_attn_type(config) == {"full_attention": [0, 1]}
+
+
+def test_a_float16_model_is_refused(paged):
+  model = ti.tiny_attention_model("llama", torch.float16)
+  with pytest.raises(TypeError, match="float16"):
+    paged.set_continuous_batching_attention(model)
