@@ -46,11 +46,14 @@ def _prompts(vocab_size: int) -> list[list[int]]:
   return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-def _generation_config():
+def _generation_config(model):
+  """Greedy, NEW_TOKENS at most, stopping at the model's EOS (generate and the engine
+  both honour it; with None, generate would still take it from the model's defaults and
+  the engine would not)."""
   from transformers import GenerationConfig
 
-  return GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None,
-                          pad_token_id=0)
+  return GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS,
+                          eos_token_id=model.config.eos_token_id, pad_token_id=0)
 
 
 def _expected(model, prompts) -> list[list[int]]:
@@ -58,7 +61,7 @@ def _expected(model, prompts) -> list[list[int]]:
   out = []
   with torch.no_grad():
     for prompt in prompts:
-      ids = model.generate(torch.tensor([prompt]), generation_config=_generation_config())
+      ids = model.generate(torch.tensor([prompt]), generation_config=_generation_config(model))
       out.append(ids[0, len(prompt):].tolist())
   return out
 
@@ -125,7 +128,7 @@ def _serve(paged, model, prompts, page_size: int) -> list[list[int]]:
                                     max_requests_per_batch=MAX_REQUESTS_PER_BATCH)
   assert paged.set_continuous_batching_attention(model) == paged.CONTINUOUS_BATCHING_ATTENTION_NAME
   try:
-    outputs = model.generate_batch(prompts, generation_config=_generation_config(),
+    outputs = model.generate_batch(prompts, generation_config=_generation_config(model),
                                    continuous_batching_config=config, warmup=False)
   finally:
     model.set_attn_implementation("eager")
@@ -187,7 +190,7 @@ def test_outside_the_engine_it_refuses(paged):
   model = ti.tiny_attention_model("llama", torch.float32)
   paged.set_continuous_batching_attention(model)
   with pytest.raises(ValueError, match="runs only inside Transformers. continuous batching"):
-    model.generate(torch.tensor([[5, 6, 7]]), generation_config=_generation_config())
+    model.generate(torch.tensor([[5, 6, 7]]), generation_config=_generation_config(model))
 
 
 def test_other_models_keep_the_engines_cache_groups(paged):

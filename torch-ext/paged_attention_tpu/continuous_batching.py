@@ -143,7 +143,10 @@ def continuous_batching_attention(module: torch.nn.Module, query: torch.Tensor,
   from transformers.generation.continuous_batching import PagedAttentionCache
 
   from . import ragged_paged_attention, write_kv_cache_
+  from ._shim import transformers_masks
 
+  # Without this package's mask function, an unsupported mask pattern would go unnoticed.
+  transformers_masks.check_mask_function(_OP, module, "set_continuous_batching_attention(model)")
   if not isinstance(cache, PagedAttentionCache):
     raise ValueError(
         f"{_OP}: runs only inside Transformers' continuous batching (model.generate_batch, "
