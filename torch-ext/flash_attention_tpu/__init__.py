@@ -7,6 +7,8 @@ PyTorch tensors on TPU (TorchTPU) or CPU.
     register_attention(name="tpu_attention")   # then attn_implementation="tpu_attention"
     attention_forward(module, query, key, value, attention_mask, ...)   (Transformers)
     make_attention_mask(batch_size, q_length, kv_length, ...)            (Transformers)
+    register_diffusers_backend(name="flash_tpu")   # then set_attention_backend("flash_tpu")
+    set_diffusers_backend(model)                   # Diffusers (diffusers_backend.py)
 
 SDPA layout: q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D], Hq a multiple of Hkv (grouped-
 query / multi-query attention without repeating K and V). For query row i (position
@@ -35,7 +37,10 @@ from ._shim import transformers_masks, validation
 from ._shim.validation import check_int32, check_ndim, dtype_name
 
 __all__ = ["DEFAULT_ATTENTION_NAME", "attention_forward", "flash_attention",
-           "make_attention_mask", "register_attention"]
+           "make_attention_mask", "register_attention",
+           # Diffusers (diffusers_backend.py)
+           "DEFAULT_DIFFUSERS_BACKEND", "JointAttnProcessor", "diffusers_attention",
+           "register_diffusers_backend", "set_diffusers_backend"]
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 DEFAULT_ATTENTION_NAME = "tpu_attention"
@@ -398,3 +403,9 @@ def register_attention(name: str = DEFAULT_ATTENTION_NAME) -> str:
   AttentionInterface.register(name, attention_forward)
   AttentionMaskInterface.register(name, make_attention_mask)
   return name
+
+
+# Diffusers' attention backend (imported last: it uses flash_attention, defined above).
+from .diffusers_backend import (DEFAULT_DIFFUSERS_BACKEND, JointAttnProcessor,  # noqa: E402
+                                diffusers_attention, register_diffusers_backend,
+                                set_diffusers_backend)
