@@ -13,9 +13,11 @@ def test_demo_runs(tmp_path):
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   out = result.stdout
   assert "MISMATCH" not in out
-  # Three generations compared: kernelized RMSNorm, ragged-dot experts, tpu_attention.
-  assert out.count("MATCH (") == 3, out[-3000:]
+  # Four generations compared: kernelized RMSNorm, ragged-dot experts, tpu_attention,
+  # generate_batch on paged-attention-tpu.
+  assert out.count("MATCH (") == 4, out[-3000:]
   assert "registered attention implementation 'tpu_attention'" in out
+  assert "continuous-batching attention 'paged_attention_tpu_flash'" in out
   for chip in ("v5e", "v6e", "v5p"):
     assert f"{chip}: compiled" in out
   assert "FAILED" not in out
