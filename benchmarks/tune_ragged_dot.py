@@ -257,7 +257,7 @@ def table_from_ratings(rows: list[dict]) -> dict[R.TuningKey, tuple[int, int, in
 
 
 def summary(rows: list[dict]) -> list[str]:
-  """The README's table, from the ratings: per key, efficiency (roofline / prediction) at
+  """docs/performance.md's table, from the ratings: per key, efficiency (roofline / prediction) at
   balanced / unaligned routing of the heuristic's pick and of the table's entry."""
   table = table_from_ratings(rows)
   lines = ["| chip | model | m | part | heuristic | tuned | blocks |", "|---|---|---:|---|---|---|---|"]
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
   p.add_argument("--models", nargs="+", default=list(MODELS),
                  help="re-rate these models' keys; the log's rows for the others are kept")
   p.add_argument("--summary", action="store_true",
-                 help="print the efficiency table of the log's ratings (the README's) and exit")
+                 help="print the efficiency table of the log's ratings (docs/performance.md's) and exit")
   a = p.parse_args(argv)
   if a.key:
     import resource   # some blocks make the estimator take all memory: fail the row instead

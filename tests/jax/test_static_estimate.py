@@ -35,7 +35,7 @@ def test_quick_estimate(tmp_path):
 
 @pytest.mark.aot
 def test_mxu_probe_rates_attention_matmuls():
-  """benchmarks/mxu_probe.py (the README's MXU figures) rates with the pinned libtpu:
+  """benchmarks/mxu_probe.py (docs/performance.md's MXU figures) rates with the pinned libtpu:
   one cycle count per probe, and a share of the chip's peak in (0, 1]."""
   result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mxu_probe.py"),
                            "--chips", "v6e", "--probes", "s = q k^T", "o^T = v^T p^T"],
@@ -51,7 +51,7 @@ def test_mxu_probe_rates_attention_matmuls():
 
 @pytest.mark.aot
 def test_ragged_survey_rates_ours_and_xla(tmp_path):
-  """benchmarks/ragged_survey.py (the README's grouped-matmul survey) on one small shape:
+  """benchmarks/ragged_survey.py (docs/performance.md's grouped-matmul survey) on one small shape:
   a row for ours and for XLA's ragged_dot, each with a prediction no faster than the
   roofline, ours with the tiling it was rated at."""
   result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ragged_survey.py"),
