@@ -80,6 +80,7 @@ class EngineRecorder:
     self.cache = None
     self.blocks = {}                  # request id -> every block id it was given
     self.q_lens = []                  # per attention call: the real sequences' q lengths
+    self.q_kv_lens = []               # per attention call: (q_len, kv_len) of each of them
     self.k_cache_storages = set()
     self.writes = 0
     self.corrupted = None
@@ -105,6 +106,7 @@ class EngineRecorder:
     def recording_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, *rest):
       lens = torch.diff(cu_q_lens).tolist()
       recorder.q_lens.append([n for n in lens if n])
+      recorder.q_kv_lens.append([(n, kv) for n, kv in zip(lens, kv_lens.tolist()) if n])
       recorder.k_cache_storages.add(k_cache.untyped_storage().data_ptr())
       return attention_op(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, *rest)
 
@@ -162,6 +164,8 @@ def test_generate_batch_matches_generate(paged, family, page_size, monkeypatch):
   # Decode tokens and prefill chunks in the same kernel call; one write and one attention
   # per layer per step.
   assert any(1 in lens and max(lens) > 1 for lens in recorder.q_lens), recorder.q_lens
+  # A prefill chunk after a cached prefix (the 44-token prompt does not fit one step).
+  assert any(q > 1 and kv > q for call in recorder.q_kv_lens for q, kv in call)
   layers = model.config.num_hidden_layers
   assert recorder.writes == len(recorder.q_lens) and len(recorder.q_lens) % layers == 0
   # The kernel read the engine's cache tensor itself.
