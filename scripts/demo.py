@@ -19,8 +19,11 @@ and show that every kernel compiles for each TPU generation.
    Transformers' continuous batching (set_continuous_batching_attention); a tiny
    randomly initialised Llama serves three prompts with `model.generate_batch`, next to
    `model.generate` on each prompt alone.
-7. Each kernel is compiled ahead of time with libtpu for v5e / v6e / v5p (no TPU needed).
-Exits non-zero if the tokens differ or a compile fails.
+7. The same flash-attention-tpu as a Diffusers attention backend
+   (`set_diffusers_backend`): a tiny randomly initialised Flux and a tiny Qwen-Image
+   transformer (padded text tokens) run on it next to Diffusers' "native" attention.
+8. Each kernel is compiled ahead of time with libtpu for v5e / v6e / v5p (no TPU needed).
+Exits non-zero if the tokens or the Diffusers outputs differ or a compile fails.
 """
 
 from __future__ import annotations
@@ -131,6 +134,33 @@ def generate_batch_matches_generate(repo_id: str) -> bool:
   return same
 
 
+def diffusers_matches_native(repo_id: str) -> bool:
+  """The user flow of flash-attention-tpu in Diffusers: set_diffusers_backend on tiny
+  Flux and Qwen-Image transformers, compared with Diffusers' native attention (float32,
+  diffusers_integration.F32_TOLERANCE)."""
+  import torch
+  from kernels import get_kernel
+
+  import diffusers_integration as di
+
+  flash = get_kernel(repo_id, version=1)
+  same = True
+  for family in ("flux", "qwen_image"):
+    model = di.tiny_transformer(family)
+    inputs = di.tiny_inputs(family, padded=family == "qwen_image")
+    start = time.perf_counter()
+    with torch.no_grad():
+      model.set_attention_backend("native")
+      want = model(**inputs, return_dict=False)[0]
+      name = flash.set_diffusers_backend(model)
+      got = model(**inputs, return_dict=False)[0]
+    ok, error = di.matches_native(got, want)
+    print(f"   {family}: attention backend '{name}', max error {error:.1e} of max|native|: "
+          f"{'agrees with native' if ok else 'MISMATCH'} ({time.perf_counter() - start:.1f} s)")
+    same = same and ok
+  return same
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dist", type=Path, default=ROOT / "dist", help="where to build")
@@ -183,7 +213,12 @@ def main(argv=None) -> int:
   same_serving = generate_batch_matches_generate(f"{org}/paged-attention-tpu")
   same = same and same_serving
 
-  print("== 7. ahead-of-time compiles with libtpu (the real TPU compiler; no TPU here)")
+  print(f"== 7. get_kernel('{org}/flash-attention-tpu', version=1) as a Diffusers attention "
+        "backend: tiny Flux and Qwen-Image transformers (random weights) vs native")
+  same_diffusers = diffusers_matches_native(f"{org}/flash-attention-tpu")
+  same = same and same_diffusers
+
+  print("== 8. ahead-of-time compiles with libtpu (the real TPU compiler; no TPU here)")
   import aot_summary
 
   compile_failures = aot_summary.main()

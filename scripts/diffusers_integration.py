@@ -13,6 +13,12 @@ hole at text token 3 and padding from token 9 on.
 from __future__ import annotations
 
 FAMILIES = ("sd3", "flux", "wan", "qwen_image")
+# A float32 model on the kernel against the same model on Diffusers' native attention
+# (SDPA): |got - want| <= atol * max|want| + rtol * |want|. Both compute attention in f32
+# on the same tensors; only the order of the sums and the kernel's online softmax differ (a
+# few 2^-24 per logit and output, tests/reference.py's ATTENTION_TOLERANCE analysis), and
+# these 1-2 block networks carry that with O(1) gain. Measured: <= 3e-7 of max|want|.
+F32_TOLERANCE = dict(rtol=2e-5, atol=2e-5)
 IMAGE_SIDE = 8           # image tokens: 8 x 8 (after patching)
 TEXT_TOKENS = 13
 BATCH = 2
@@ -93,3 +99,15 @@ def cast_inputs(inputs: dict, dtype) -> dict:
   keep = {"timestep", "img_ids", "txt_ids", "encoder_hidden_states_mask"}
   return {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and k not in keep
               else v) for k, v in inputs.items()}
+
+
+def matches_native(got, want, tolerance=F32_TOLERANCE) -> tuple[bool, float]:
+  """(every element finite and within `tolerance` of want, max|got - want| / max|want|)."""
+  import torch
+
+  got, want = got.double(), want.double()
+  scale = float(want.abs().max())
+  error = (got - want).abs()
+  bound = tolerance["atol"] * scale + tolerance["rtol"] * want.abs()
+  ok = bool(torch.isfinite(got).all()) and bool((error <= bound).all())
+  return ok, float(error.max()) / max(scale, 1e-30)
