@@ -43,6 +43,9 @@ pages = [num_half_pages, kv_heads, page_size, head_dim] (no copy):
     of a layer are different pages of the same tensor, which is passed as both caches, and
     the step's K and V tokens are packed into one list of 2T writes): the K and V views
     overlap, so two views written by one call would overwrite each other's new tokens.
+    On a TPU this is expected to fail loudly: write_kv_cache_ donates both caches to XLA,
+    which refuses to donate one buffer twice. The fix belongs in the op (a write that
+    takes one cache tensor); see docs/serving.md.
 
 Sliding-window layers (gpt-oss, Gemma 2...). The engine keeps their cache as a ring of
 `sliding_window` tokens, written before it is read, and a prefill chunk that crosses the
@@ -161,6 +164,10 @@ def continuous_batching_attention(module: torch.nn.Module, query: torch.Tensor,
   if query.shape[0] != 1:
     raise ValueError(f"{_OP}: the engine packs every request into one row; query batch "
                      f"must be 1, got {query.shape[0]}")
+  if key.shape != value.shape:
+    raise NotImplementedError(f"{_OP}: keys {tuple(key.shape)} and values "
+                              f"{tuple(value.shape)} differ in shape (e.g. MLA's smaller value "
+                              f"head); the kernel's pages hold K and V of one head_dim")
   layer = module.layer_idx
   allocator = cache.layer_to_allocator[layer]
   if allocator.layer_type != _FULL_ATTENTION:
@@ -205,8 +212,8 @@ def continuous_batching_attention(module: torch.nn.Module, query: torch.Tensor,
   k_slots[:write_rows.shape[0]] = write_rows + first_page * page_size
   v_slots = torch.where(k_slots >= 0, k_slots + page_size, k_slots)
   pages = _whole_cache_pages(allocator)
-  write_kv_cache_(pages, pages, torch.cat([k, v]), torch.cat([k, v]),
-                  torch.cat([k_slots, v_slots]).to(torch.int32))
+  kv_rows = torch.cat([k, v])
+  write_kv_cache_(pages, pages, kv_rows, kv_rows, torch.cat([k_slots, v_slots]).to(torch.int32))
 
   # Page tables: a step that reads no cache (every request's first chunk) has no
   # read_index, and then each request's KV is exactly its new tokens (cu_kv == cu_q).
