@@ -228,6 +228,20 @@ def test_registration_rules(registered, dispatch):
       dispatch.AttentionBackendName(BACKEND))
 
 
+def test_backend_names_every_argument_any_backend_takes(registered, dispatch):
+  """The dispatcher silently drops arguments a backend's signature does not name, so ours
+  names every one that any registered Diffusers backend takes (a window, a soft-cap, ...)
+  and applies or refuses it. Walks the installed registry, so a new argument fails here."""
+  import inspect
+
+  registry = dispatch._AttentionBackendRegistry
+  taken = set().union(*(names for backend, names in registry._supported_arg_names.items()
+                        if backend.value != BACKEND))
+  ours = set(inspect.signature(registered.diffusers_attention).parameters)
+  assert taken <= ours, sorted(taken - ours)
+  assert registry._supported_arg_names[dispatch.AttentionBackendName(BACKEND)] == ours
+
+
 def test_set_diffusers_backend_refuses_processors_that_bypass_the_dispatcher(registered):
   from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
