@@ -5,7 +5,8 @@
 
 With transformers 5.23 and kernels 0.17, transformers' `@use_kernel_forward_from_hub`
 is a stub (transformers wants kernels >= 0.18.2), so its RMSNorm classes carry no kernel
-layer name. `kernelize_rms_norm` marks them with kernels' own
+layer name. `kernelize_rms_norm` finds them by the decorator in their source
+(`rms_norm_layer`; `hub_rms_norm_classes` walks every family), marks them with kernels' own
 `replace_kernel_forward_from_hub` (what the decorator would have done), then runs
 `kernels.kernelize` with a mapping to the Hub repo. The repo resolves through
 LOCAL_KERNELS when that is set (as in the tests and the main job), else the Hub.
@@ -13,17 +14,16 @@ LOCAL_KERNELS when that is set (as in the tests and the main job), else the Hub.
 
 from __future__ import annotations
 
+import functools
+import re
+import sys
+from pathlib import Path
+
 import torch
 
-# Transformers RMSNorm classes -> the layer of rms-norm-tpu that replaces their forward.
-# Llama-style classes keep epsilon in `variance_epsilon`, Gemma's in `eps` with (1 + w).
-LAYER_FOR_CLASS = {
-    "LlamaRMSNorm": "RMSNorm",
-    "Qwen3RMSNorm": "RMSNorm",
-    "Qwen2RMSNorm": "RMSNorm",
-    "MistralRMSNorm": "RMSNorm",
-    "GemmaRMSNorm": "GemmaRMSNorm",
-}
+# Norm classes Transformers does not decorate with use_kernel_forward_from_hub -> the layer
+# of rms-norm-tpu that replaces their forward (the decorated ones: LAYER_FOR_HUB_NAME).
+LAYER_FOR_CLASS = {"GemmaRMSNorm": "GemmaRMSNorm"}
 
 _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -47,8 +47,56 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0):
   return model.eval()
 
 
+# Transformers' hub layer names (use_kernel_forward_from_hub(name)) -> the rms-norm-tpu layer.
+LAYER_FOR_HUB_NAME = {"RMSNorm": "RMSNorm", "RMSNormZeroCentered": "GemmaRMSNorm"}
+# A top-level class decorated @use_kernel_forward_from_hub("<name>") (other decorators and
+# comment lines may stand between).
+_HUB_DECORATED = re.compile(
+    r'^@use_kernel_forward_from_hub\(\s*"([^"]+)"\s*\)[ \t]*\n(?:[@#].*\n)*class (\w+)\b', re.M)
+
+
+@functools.cache
+def _hub_decorated_classes(path: str) -> dict[str, str]:
+  """{class name: hub layer name} of a source file's decorated top-level classes."""
+  return {cls: name for name, cls in _HUB_DECORATED.findall(Path(path).read_text())}
+
+
+def hub_layer_name(cls: type) -> str | None:
+  """The name of the `@use_kernel_forward_from_hub(name)` decorating a Transformers class,
+  read from its module's source (with kernels 0.17 the decorator is a stub: the class
+  carries no mark), or None."""
+  if not cls.__module__.startswith("transformers."):
+    return None
+  path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+  return _hub_decorated_classes(path).get(cls.__name__) if path else None
+
+
+def rms_norm_layer(cls: type) -> str | None:
+  """The rms-norm-tpu layer that replaces a Transformers norm class's forward, or None."""
+  return LAYER_FOR_HUB_NAME.get(hub_layer_name(cls)) or LAYER_FOR_CLASS.get(cls.__name__)
+
+
+@functools.cache
+def hub_rms_norm_classes() -> tuple[tuple[str, type], ...]:
+  """(family, class) for every class of the installed Transformers' modeling modules
+  whose hub layer name is a key of LAYER_FOR_HUB_NAME (a module that fails to import
+  raises). Imports every modeling module that has one (5-15 s here)."""
+  import importlib
+
+  import transformers.models
+
+  found = []
+  for path in sorted(Path(transformers.models.__path__[0]).glob("*/modeling_*.py")):
+    names = [cls for cls, name in _hub_decorated_classes(str(path)).items()
+             if name in LAYER_FOR_HUB_NAME]
+    if names:
+      module = importlib.import_module(f"transformers.models.{path.parent.name}.{path.stem}")
+      found += [(path.parent.name, getattr(module, cls)) for cls in names]
+  return tuple(found)
+
+
 def rms_norm_modules(model) -> list[torch.nn.Module]:
-  return [m for m in model.modules() if type(m).__name__ in LAYER_FOR_CLASS]
+  return [m for m in model.modules() if rms_norm_layer(type(m)) is not None]
 
 
 def kernelize_rms_norm(model, repo_id: str, *, mode=None, device: str = "cpu",
@@ -63,7 +111,7 @@ def kernelize_rms_norm(model, repo_id: str, *, mode=None, device: str = "cpu",
   mode = Mode.INFERENCE if mode is None else mode
   layers = set()
   for module in rms_norm_modules(model):
-    layer = LAYER_FOR_CLASS[type(module).__name__]
+    layer = rms_norm_layer(type(module))
     if getattr(type(module), "kernel_layer_name", None) != layer:
       replace_kernel_forward_from_hub(type(module), layer)
     layers.add(layer)

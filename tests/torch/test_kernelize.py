@@ -26,7 +26,7 @@ def _assert_all_norms_use_kernel(model, rms):
   norms = ti.rms_norm_modules(model)
   assert norms, "model has no RMSNorm modules"
   for module in norms:
-    layer = getattr(rms.layers, ti.LAYER_FOR_CLASS[type(module).__name__])
+    layer = getattr(rms.layers, ti.rms_norm_layer(type(module)))
     assert module.forward.__func__ is layer.forward, type(module).__name__
 
 
