@@ -18,6 +18,9 @@ def test_demo_runs(tmp_path):
   assert out.count("MATCH (") == 4, out[-3000:]
   assert "registered attention implementation 'tpu_attention'" in out
   assert "continuous-batching attention 'paged_attention_tpu_flash'" in out
+  # Two Diffusers transformers (Flux, Qwen-Image) through the "flash_tpu" backend vs native.
+  assert out.count("agrees with native") == 2, out[-3000:]
+  assert "attention backend 'flash_tpu'" in out
   for chip in ("v5e", "v6e", "v5p"):
     assert f"{chip}: compiled" in out
   assert "FAILED" not in out
