@@ -134,3 +134,20 @@ def test_a_different_formula_is_refused(rms, repo_id, monkeypatch):
   monkeypatch.setitem(ti.LAYER_FOR_HUB_NAME, "RMSNormZeroCentered", "RMSNorm")
   with pytest.raises(NotImplementedError, match="has no `variance_epsilon`"):
     _compare(qwen35, repo_id("rms-norm-tpu"), torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_compiled_mixed_dtypes_take_the_class_dtype(rms, repo_id, family):
+  """Under torch.compile (fullgraph) no probe runs, but the output dtype is still the
+  class's: a bfloat16 input with a float32 weight gives float32 for Llama's norm (the
+  weight multiply promotes), bfloat16 for gpt-oss's (rounded once to the input's)."""
+  cls = next(c for f, c in ti.hub_rms_norm_classes() if f == family)
+  norm = _build(cls, torch.float32)
+  ti.kernelize_rms_norm(torch.nn.ModuleList([norm]), repo_id("rms-norm-tpu"))
+  x = _input(torch.bfloat16, seed=2)
+  with torch.no_grad():
+    got = torch.compile(norm, fullgraph=True)(x)
+    want = cls.forward(norm, x)
+  assert got.dtype == want.dtype == {"llama": torch.float32, "gpt_oss": torch.bfloat16}[family]
+  error = (got.double() - want.double()).abs().max().item()
+  assert error <= TOLERANCE[torch.bfloat16] * want.double().abs().max().item()

@@ -17,7 +17,9 @@ nothing stops a class whose forward is another formula from carrying the layer n
 the first call per (module class, x dtype, weight dtype, device type), outside
 torch.compile, runs the module's own forward and the kernel on one probe row and
 compares them: a different formula raises NotImplementedError naming the class (never a
-silent wrong result), and the output takes the dtype the class's forward gives.
+silent wrong result), and the output takes the dtype the class's forward gives. Under
+torch.compile only the dtype is taken (from the class's forward traced on a zero row);
+run the model once eagerly to have its norms checked.
 """
 
 from __future__ import annotations
@@ -83,13 +85,14 @@ def _forward(module: nn.Module, x: torch.Tensor, eps: float, offset: float,
   weight = module.weight
   out = rms_norm(x, weight, eps, offset=offset)
   if torch.compiler.is_compiling():
-    # No probe while tracing; with equal dtypes every known class returns x's dtype.
+    # No value check while tracing (it would depend on data). With equal dtypes every
+    # known class returns x's dtype; otherwise the class's own forward, traced on a zero
+    # row, gives its output dtype (its value is unused: the compiler drops it).
     if x.dtype == weight.dtype:
       return out
-    raise NotImplementedError(
-        f"rms-norm-tpu layers.{layer}: under torch.compile the weight's dtype "
-        f"({weight.dtype}) must equal the input's ({x.dtype}): Transformers' RMSNorm "
-        f"classes disagree on the output dtype then")
+    with torch.no_grad():
+      own = type(module).forward(module, x.new_zeros((1, x.shape[-1])))
+    return out.to(own.dtype)
   key = (type(module), x.dtype, weight.dtype, x.device.type)
   out_dtype = _CHECKED.get(key)
   if out_dtype is None:
