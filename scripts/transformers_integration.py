@@ -121,6 +121,66 @@ def kernelize_rms_norm(model, repo_id: str, *, mode=None, device: str = "cpu",
     return kernelize(model, mode=mode, device=device, use_fallback=False)
 
 
+# Every family's RMSNorm class against its own forward (tests/torch/test_rms_norm_all_families.py,
+# the coverage table's norm column). Tolerances relative to the largest stock output: those
+# tests/torch/test_kernelize.py documents for logits.
+RMS_NORM_TOLERANCE = {torch.float32: 5e-6, torch.bfloat16: 2e-2}
+# (x dtype, weight dtype): bfloat16 with a float32 weight is gpt-oss's (norms kept in f32).
+RMS_NORM_CASES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                  (torch.bfloat16, torch.float32)]
+_NORM_HIDDEN = 48
+
+
+def tiny_rms_norm(cls: type, weight_dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+  """cls(48, eps=1e-5), its weight drawn around its initial value with std 0.1."""
+  torch.manual_seed(seed)
+  norm = cls(_NORM_HIDDEN, 1e-5)
+  with torch.no_grad():
+    norm.weight.copy_(norm.weight + 0.1 * torch.randn(_NORM_HIDDEN))
+  return norm.to(weight_dtype)
+
+
+def rms_norm_input(dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+  gen = torch.Generator().manual_seed(seed)
+  return (torch.randn(2, 5, _NORM_HIDDEN, generator=gen) * 3.0).to(dtype)
+
+
+def rms_norm_class_mismatch(cls: type, repo_id: str, x_dtype: torch.dtype,
+                            weight_dtype: torch.dtype, *, mode=None) -> str | None:
+  """Kernelizes a tiny `cls` (kernelize_rms_norm) and compares it with the class's own
+  forward: None when they match (dtype exactly, values within RMS_NORM_TOLERANCE; in
+  float32 training mode also the gradients of x and the weight within 1e-4), else what
+  differs. The layer's NotImplementedError (a refusal) propagates."""
+  from kernels import Mode
+
+  mode = Mode.INFERENCE if mode is None else mode
+  norm = tiny_rms_norm(cls, weight_dtype)
+  x = rms_norm_input(x_dtype)
+  kernelize_rms_norm(torch.nn.ModuleList([norm]), repo_id, mode=mode)
+  if norm.forward.__func__ is cls.forward:
+    return "not kernelized"
+  want = cls.forward(norm, x)
+  got = norm(x)
+  if got.dtype != want.dtype or got.shape != want.shape:
+    return f"{got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
+  scale = want.double().abs().max().item()
+  error = (got.double() - want.double()).abs().max().item()
+  if not error <= RMS_NORM_TOLERANCE[x_dtype] * scale:
+    return f"max error {error:.3g} (largest output {scale:.3g})"
+  if Mode.TRAINING in mode and x_dtype == torch.float32:
+    x = x.requires_grad_()
+    direction = torch.randn_like(want)
+    grads = []
+    for forward in (lambda t: cls.forward(norm, t), norm):
+      norm.weight.grad, x.grad = None, None
+      (forward(x) * direction).sum().backward()
+      grads.append((x.grad.clone(), norm.weight.grad.clone()))
+    for name, want_grad, got_grad in zip(("x", "weight"), grads[0], grads[1]):
+      if not (got_grad - want_grad).abs().max().item() <= 1e-4 * want_grad.abs().max().item():
+        return f"gradient of {name} off"
+  return None
+
+
 # ------------------------------------------------------------------ flash-attention-tpu
 #
 #   kernel = register_tpu_attention("tpu-kernels/flash-attention-tpu")   # "tpu_attention"

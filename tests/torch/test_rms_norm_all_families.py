@@ -31,58 +31,6 @@ from kernels import Mode
 
 import transformers_integration as ti
 
-HIDDEN = 48
-TOLERANCE = {torch.float32: 5e-6, torch.bfloat16: 2e-2}
-# (x dtype, weight dtype) every class runs.
-CASES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-         (torch.bfloat16, torch.float32)]
-
-
-def _build(cls, weight_dtype, seed=0):
-  torch.manual_seed(seed)
-  norm = cls(HIDDEN, 1e-5)
-  with torch.no_grad():
-    norm.weight.copy_(norm.weight + 0.1 * torch.randn(HIDDEN))
-  return norm.to(weight_dtype)
-
-
-def _input(dtype, seed=1):
-  gen = torch.Generator().manual_seed(seed)
-  return (torch.randn(2, 5, HIDDEN, generator=gen) * 3.0).to(dtype)
-
-
-def _compare(cls, repo, x_dtype, weight_dtype, mode=Mode.INFERENCE):
-  """None if the kernelized module matches its class's own forward, else what differs.
-  NotImplementedError from the layer propagates (a refusal)."""
-  norm = _build(cls, weight_dtype)
-  x = _input(x_dtype)
-  container = torch.nn.ModuleList([norm])
-  ti.kernelize_rms_norm(container, repo, mode=mode)
-  if norm.forward.__func__ is cls.forward:
-    return "not kernelized"
-  want = cls.forward(norm, x)
-  got = norm(x)
-  if got.dtype != want.dtype or got.shape != want.shape:
-    return f"{got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
-  scale = want.double().abs().max().item()
-  error = (got.double() - want.double()).abs().max().item()
-  if not error <= TOLERANCE[x_dtype] * scale:
-    return f"max error {error:.3g} (largest output {scale:.3g})"
-  if mode == Mode.TRAINING and x_dtype == torch.float32:
-    x = x.requires_grad_()
-    direction = torch.randn_like(want)
-    grads = []
-    for forward in (lambda t: cls.forward(norm, t), norm):
-      norm.weight.grad, x.grad = None, None
-      (forward(x) * direction).sum().backward()
-      grads.append((x.grad.clone(), norm.weight.grad.clone()))
-    for name, g, w in zip(("x", "weight"), grads[0], grads[1]):
-      scale = g.abs().max().item()
-      if not (w - g).abs().max().item() <= 1e-4 * scale:
-        return f"gradient of {name} off"
-  return None
-
-
 def test_every_hub_rms_norm_class_kernelizes_and_matches(rms, repo_id):
   import transformers.models
 
@@ -95,10 +43,10 @@ def test_every_hub_rms_norm_class_kernelizes_and_matches(rms, repo_id):
   assert {ti.hub_layer_name(cls) for _, cls in classes} == set(ti.LAYER_FOR_HUB_NAME)
   repo = repo_id("rms-norm-tpu")
   mismatches, refused = {}, {}
-  for (family, cls), (x_dtype, weight_dtype) in itertools.product(classes, CASES):
+  for (family, cls), (x_dtype, weight_dtype) in itertools.product(classes, ti.RMS_NORM_CASES):
     case = f"{family}.{cls.__name__} x {x_dtype} weight {weight_dtype}"
     try:
-      problem = _compare(cls, repo, x_dtype, weight_dtype, Mode.TRAINING)
+      problem = ti.rms_norm_class_mismatch(cls, repo, x_dtype, weight_dtype, mode=Mode.TRAINING)
     except NotImplementedError as e:
       refused[case] = str(e)
       continue
@@ -127,13 +75,14 @@ def test_a_different_formula_is_refused(rms, repo_id, monkeypatch):
   monkeypatch.setitem(ti.LAYER_FOR_CLASS, _OnePlusWeightNorm.__name__, "RMSNorm")
   with pytest.raises(NotImplementedError, match="_OnePlusWeightNorm's own forward is not "
                                                 r"weight \* x"):
-    _compare(_OnePlusWeightNorm, repo_id("rms-norm-tpu"), torch.float32, torch.float32)
+    ti.rms_norm_class_mismatch(_OnePlusWeightNorm, repo_id("rms-norm-tpu"), torch.float32,
+                               torch.float32)
   # A zero-centred class (epsilon in `eps`) mapped to the Llama layer: refused by name.
   qwen35 = next(cls for _, cls in ti.hub_rms_norm_classes()
                 if ti.hub_layer_name(cls) == "RMSNormZeroCentered")
   monkeypatch.setitem(ti.LAYER_FOR_HUB_NAME, "RMSNormZeroCentered", "RMSNorm")
   with pytest.raises(NotImplementedError, match="has no `variance_epsilon`"):
-    _compare(qwen35, repo_id("rms-norm-tpu"), torch.float32, torch.float32)
+    ti.rms_norm_class_mismatch(qwen35, repo_id("rms-norm-tpu"), torch.float32, torch.float32)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_oss"])
@@ -142,12 +91,12 @@ def test_compiled_mixed_dtypes_take_the_class_dtype(rms, repo_id, family):
   class's: a bfloat16 input with a float32 weight gives float32 for Llama's norm (the
   weight multiply promotes), bfloat16 for gpt-oss's (rounded once to the input's)."""
   cls = next(c for f, c in ti.hub_rms_norm_classes() if f == family)
-  norm = _build(cls, torch.float32)
+  norm = ti.tiny_rms_norm(cls, torch.float32)
   ti.kernelize_rms_norm(torch.nn.ModuleList([norm]), repo_id("rms-norm-tpu"))
-  x = _input(torch.bfloat16, seed=2)
+  x = ti.rms_norm_input(torch.bfloat16, seed=2)
   with torch.no_grad():
     got = torch.compile(norm, fullgraph=True)(x)
     want = cls.forward(norm, x)
   assert got.dtype == want.dtype == {"llama": torch.float32, "gpt_oss": torch.bfloat16}[family]
   error = (got.double() - want.double()).abs().max().item()
-  assert error <= TOLERANCE[torch.bfloat16] * want.double().abs().max().item()
+  assert error <= ti.RMS_NORM_TOLERANCE[torch.bfloat16] * want.double().abs().max().item()
