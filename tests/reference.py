@@ -156,6 +156,8 @@ def gated(name, gate, up, alpha=1.702, limit=7.0):
     gate = np.minimum(gate, limit)
     up = np.clip(up, -limit, limit)
     return (up + 1.0) * gate / (1.0 + np.exp(-gate * alpha))
+  if name == "clamped_silu":  # transformers' DeepseekV4Experts._apply_gate (act_fn silu)
+    return activation("silu", np.minimum(gate, limit)) * np.clip(up, -limit, limit)
   return activation(name, gate) * up
 
 

@@ -84,6 +84,8 @@ def gate(name, gate_up, *, concatenated=True, alpha=1.702, limit=7.0):
     g = np.minimum(g, limit)
     u = np.clip(u, -limit, limit)
     return (u + 1.0) * g / (1.0 + np.exp(-alpha * g))
+  if name == "clamped_silu":  # transformers' DeepseekV4Experts._apply_gate (act_fn silu)
+    return activation("silu", np.minimum(g, limit)) * np.clip(u, -limit, limit)
   return activation(name, g) * u
 
 

@@ -39,7 +39,8 @@ import jax.numpy as jnp
 
 from . import chips, ragged_dot
 
-# The gate activation names moe_experts takes: the kernel's, plus gpt-oss's clamped gate.
+# The gate activation names moe_experts takes: the kernel's, plus the clamped gates
+# (gpt-oss's, and the clamped SwiGLU "clamped_silu").
 GATED_ACTIVATIONS = ragged_dot.GATED_ACTIVATIONS
 
 
@@ -65,7 +66,8 @@ def moe_experts(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Ar
     gate_up_bias, down_bias: [E, 2I] (or [E, I]) and [E, H], optional.
     gate_up_scale, down_scale: float32 per-output-channel scales, iff the weight is quantized.
     num_experts: E.
-    activation: one of GATED_ACTIVATIONS ("gpt_oss" needs has_gate).
+    activation: one of GATED_ACTIVATIONS (the clamped gates "gpt_oss" and "clamped_silu"
+      need has_gate; alpha is gpt_oss's, limit the clamp of both).
   Returns:
     [T, H] in hidden's dtype.
   """
@@ -82,8 +84,8 @@ def moe_experts(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Ar
       raise ValueError(f"{name} must be [num_experts={num_experts}, ., .], got {w.shape}")
   if activation not in GATED_ACTIVATIONS:
     raise ValueError(f"activation must be one of {GATED_ACTIVATIONS}, got {activation!r}")
-  if activation == "gpt_oss" and not has_gate:
-    raise ValueError("activation 'gpt_oss' needs a gate (has_gate=True)")
+  if activation not in ragged_dot.SUPPORTED_ACTIVATIONS and not has_gate:
+    raise ValueError(f"activation {activation!r} needs a gate (has_gate=True)")
   top_k = top_k_index.shape[1]
   kernel_args = dict(chip=chip, interpret=interpret)
 

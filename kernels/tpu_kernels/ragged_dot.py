@@ -73,7 +73,9 @@ from . import vmem
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
 QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
 SUPPORTED_ACTIVATIONS = ("identity", "silu", "gelu_tanh", "gelu", "relu", "relu2")
-GATED_ACTIVATIONS = SUPPORTED_ACTIVATIONS + ("gpt_oss",)
+# Gated epilogues beyond act(gate) * up, both with a clamp `limit`: gpt-oss's, and the
+# clamped SwiGLU of DeepSeek-V4, GLM-5-Next and HY-V4 (see `gated`).
+GATED_ACTIVATIONS = SUPPORTED_ACTIVATIONS + ("gpt_oss", "clamped_silu")
 LAYOUTS = ("concatenated", "interleaved")
 # The pallas_call name of the small kernel that builds each call's visit table.
 VISIT_TABLE_KERNEL = "ragged_dot_visit_table"
@@ -107,11 +109,18 @@ def activation(name: str, x):
 
 
 def gated(name: str, gate, up, alpha: float, limit: float):
-  """act(gate) * up, or gpt-oss's clamped gate when name == "gpt_oss" (f32)."""
+  """act(gate) * up (f32), or one of the clamped gates (g = min(gate, limit),
+  u = clip(up, -limit, limit)):
+    "gpt_oss":      (u + 1) * g * sigmoid(alpha * g)
+    "clamped_silu": silu(g) * u
+  """
   if name == "gpt_oss":
     gate = jnp.minimum(gate, limit)
     up = jnp.clip(up, -limit, limit)
     return (up + 1.0) * (gate * jax.nn.sigmoid(gate * alpha))
+  if name == "clamped_silu":
+    gate = jnp.minimum(gate, limit)
+    return activation("silu", gate) * jnp.clip(up, -limit, limit)
   return activation(name, gate) * up
 
 
@@ -122,7 +131,7 @@ class Epilogue:
   activation: str | None = None   # None: store z as it is
   gated: bool = False             # two column sets (gate, up) -> gated(activation, ...)
   alpha: float = 1.702            # gpt_oss only
-  limit: float = 7.0              # gpt_oss only
+  limit: float = 7.0              # gpt_oss and clamped_silu only
 
   def __call__(self, *z):
     if self.gated:
@@ -939,7 +948,7 @@ def gated_ragged_dot(lhs, rhs, group_sizes, *, activation="silu", layout="concat
   layout "concatenated": gate = the first I of the 2I columns, up = the last I;
   "interleaved" (gpt-oss): gate = even columns, up = odd. activation: one of
   GATED_ACTIVATIONS; "gpt_oss" is (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
-  with g = min(gate, limit). rhs_scale and bias are (G_local, 2I) in rhs's column layout.
+  with g = min(gate, limit); "clamped_silu" is silu(g) * clip(up, -limit, limit). rhs_scale and bias are (G_local, 2I) in rhs's column layout.
   Other arguments as in `ragged_dot`. Returns (m, I) in out_dtype.
   """
   n_full = rhs.shape[1] if transpose_rhs else rhs.shape[2]

@@ -59,7 +59,7 @@ def _reference(p, activation="silu", **flags):
 def cases(draw):
   has_gate = draw(st.booleans())
   activation = draw(st.sampled_from(
-      ["silu", "gelu_tanh", "gpt_oss", "gelu", "relu2"] if has_gate else
+      ["silu", "gelu_tanh", "gpt_oss", "clamped_silu", "gelu", "relu2"] if has_gate else
       ["relu2", "silu", "gelu_tanh"]))
   experts = draw(st.integers(1, 6))
   return dict(
@@ -67,7 +67,8 @@ def cases(draw):
       inter=draw(st.sampled_from([8, 16, 40])), experts=experts,
       top_k=draw(st.integers(1, min(experts, 3))), dtype=draw(st.sampled_from(list(DTYPES))),
       has_gate=has_gate, activation=activation, is_transposed=draw(st.booleans()),
-      is_concatenated=draw(st.booleans()) if activation == "gpt_oss" else True,
+      is_concatenated=(draw(st.booleans()) if activation in ("gpt_oss", "clamped_silu")
+                       else True),
       has_bias=draw(st.booleans()), placeholders=draw(st.sampled_from([0, 0, 2])),
       seed=draw(st.integers(0, 2**31 - 1)))
 
@@ -129,7 +130,8 @@ def test_quantized_weights_match_dequantized_reference():
     dict(has_gate=True, is_transposed=True, has_bias=True, activation="gpt_oss",
          is_concatenated=False),
     dict(has_gate=False, is_transposed=False, has_bias=False, activation="relu2"),
-], ids=["qwen", "gpt_oss", "no_gate"])
+    dict(has_gate=True, is_transposed=False, has_bias=False, activation="clamped_silu"),
+], ids=["qwen", "gpt_oss", "no_gate", "clamped_silu"])
 def test_gradients_match_finite_differences(flags):
   """<vjp(g), v> == d/de <g, ref(theta + e v)> for random directions v (float64 FD)."""
   flags = dict(flags)

@@ -320,7 +320,7 @@ def test_vmem_limit_is_passed_through():
     (8, 256, 64, 4, False),    # decode-like: gate in XLA on a small f32 intermediate
     (64, 3, 8, 2, True),       # prefill-like: weights split in XLA, gated kernel
 ])
-@pytest.mark.parametrize("activation", ["silu", "gpt_oss"])
+@pytest.mark.parametrize("activation", ["silu", "gpt_oss", "clamped_silu"])
 def test_interleaved_gate_up_picks_the_cheaper_route(m, k, half, groups, fused, activation):
   rng = np.random.default_rng(m)
   sizes = np.array([m // 2] + [m // (2 * (groups - 1))] * (groups - 1), np.int32)

@@ -65,23 +65,35 @@ def on_device(device):
   return t
 
 
+def _default_gate(self, gate_up):   # Transformers' default _apply_gate, [gate | up]
+  gate, up = gate_up.chunk(2, dim=-1)
+  return self.act_fn(gate) * up
+
+
+def _gpt_oss_gate(self, gate_up):   # GptOssExperts._apply_gate: interleaved, clamped
+  gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+  gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+  return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
 def experts_module(kind: str, t, *, experts=6, hidden=128, intermediate=128,
                    dtype=torch.float32, quantized=None):
   """A Transformers-layout experts module (what `self` is in experts_forward), tensors
   made by t(shape, dtype). kind: "silu" (Qwen3-MoE), "gpt_oss" (transposed, interleaved,
-  biased, clamped gate), "no_gate" (Nemotron-H, relu2). quantized: a weight dtype (int8 /
-  float8_e4m3fn), with float32 per-output-channel scales."""
+  biased, clamped gate), "no_gate" (Nemotron-H's layout, with relu: transformers is not
+  installed here, and experts_forward fuses an activation module only by its class, so the
+  torch class nn.ReLU stands in for Transformers' ReLUSquaredActivation). The gates are
+  Transformers' formulas: experts_forward recognises a gate by what it computes. quantized:
+  a weight dtype (int8 / float8_e4m3fn), with float32 per-output-channel scales."""
   E, H, I = experts, hidden, intermediate
   cls = type("GptOssExperts" if kind == "gpt_oss" else "Qwen3MoeExperts", (torch.nn.Module,),
-             {"_apply_gate": (lambda self, x: x) if kind == "gpt_oss" else None})
+             {"_apply_gate": _gpt_oss_gate if kind == "gpt_oss" else _default_gate})
   m = cls()
   m.num_experts, m.has_gate = E, kind != "no_gate"
   m.has_bias = m.is_transposed = kind == "gpt_oss"
   m.is_concatenated = kind != "gpt_oss"
   m.alpha, m.limit = 1.702, 7.0
   m.act_fn = torch.nn.SiLU() if kind == "silu" else torch.nn.ReLU()
-  if kind == "no_gate":
-    m.act_fn = type("ReLUSquaredActivation", (torch.nn.Module,), {})()
   up = "gate_up_proj" if m.has_gate else "up_proj"
   width = 2 * I if m.has_gate else I
   shapes = {up: (E, H, width) if m.is_transposed else (E, width, H),

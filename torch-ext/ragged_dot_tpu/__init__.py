@@ -16,6 +16,11 @@ development and tests). jax must be installed.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import sys
+import types
+
 import torch
 
 from . import _shim
@@ -23,7 +28,8 @@ from ._custom_ops import QUANTIZED_DTYPES, experts_op, ragged_dot_op
 from ._shim import validation
 from ._shim.validation import check_int32, check_ndim, dtype_name
 
-__all__ = ["SUPPORTED_ACTIVATIONS", "experts_forward", "quantize_experts_", "ragged_dot"]
+__all__ = ["SUPPORTED_ACTIVATIONS", "ExpertsPlan", "experts_forward", "experts_plan",
+           "quantize_experts_", "ragged_dot"]
 
 # Epilogue activations of the kernel (kernels/tpu_kernels/ragged_dot.py; listed here so that
 # importing the package does not import jax; a test checks the two lists agree).
@@ -141,70 +147,281 @@ def ragged_dot(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, 
 
 # ------------------------------------------------------------------ Transformers experts
 
-# act_fn class name -> the kernel's epilogue activation (exact matches only: a subclass may
-# compute something else). GELUTanh, NewGELUActivation and nn.GELU('tanh') are one formula.
-_ACTIVATIONS_BY_CLASS = {
-    "SiLUActivation": "silu", "SiLU": "silu",
-    "GELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh", "GELUActivation": "gelu",
-    "ReLU": "relu", "ReLUSquaredActivation": "relu2",
-    "Identity": "identity", "LinearActivation": "identity",
-}
-# Experts classes whose own `_apply_gate` is gpt-oss's clamped gate
-# (min(gate, limit), clip(up, +-limit), (up + 1) * gate * sigmoid(alpha * gate)),
-# with the gate/up layout given by `is_concatenated`.
-_GPT_OSS_GATE_CLASSES = ("GptOssExperts", "OpenAIPrivacyFilterExperts")
+# Two routes, both differentiable, both computing what Transformers' "eager" computes:
+#   fused:   the experts op (kernels/tpu_kernels/moe.py): the gate/up projection with the gate
+#            formed in the kernel's epilogue, the down projection, the routing weights and the
+#            sum over the k experts of each token, in one JAX function.
+#   generic: for what the epilogue does not compute (a gate or activation it does not know, a
+#            post-expert norm): the ragged_dot op for gate/up with no epilogue, the module's own
+#            `_apply_gate` (or `act_fn`) and `post_expert_norm` in torch, the ragged_dot op for
+#            down. Slower (the [S, 2I] intermediate goes through HBM), never wrong.
+
+# The kernel's gated epilogues that a module's own `_apply_gate` may compute (besides
+# act(gate) * up for the activations of SUPPORTED_ACTIVATIONS), with their parameters:
+#   "gpt_oss":      (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+#   "clamped_silu": silu(min(gate, limit)) * clip(up, -limit, limit)
+PARAMETRIC_GATES = ("gpt_oss", "clamped_silu")
+_DEFAULT_ALPHA, _DEFAULT_LIMIT = 1.702, 7.0
 
 
-def _activation_of(op: str, act_fn) -> str:
-  name = type(act_fn).__name__
-  if name == "GELU" and isinstance(act_fn, torch.nn.GELU):
+@dataclasses.dataclass(frozen=True)
+class ExpertsPlan:
+  """How experts_forward runs a module: route "fused" (activation, is_concatenated, alpha,
+  limit are the epilogue's statics) or "generic" (reason says why not fused)."""
+
+  route: str
+  activation: str = "identity"
+  is_concatenated: bool = True
+  alpha: float = _DEFAULT_ALPHA
+  limit: float = _DEFAULT_LIMIT
+  reason: str = ""
+
+
+def _fused_activations() -> dict:
+  """act_fn (a function, or the exact class of a module) -> the kernel's epilogue activation.
+
+  Keyed by the objects themselves, never by names: a subclass, or another function of the
+  same name, may compute something else. Transformers' activation classes are looked up in
+  the already imported `transformers.activations` (a Transformers module comes with it).
+  """
+  fn = torch.nn.functional
+  table = {torch.nn.SiLU: "silu", torch.nn.ReLU: "relu", torch.nn.Identity: "identity",
+           fn.silu: "silu", fn.relu: "relu", torch.relu: "relu", fn.gelu: "gelu"}
+  acts = sys.modules.get("transformers.activations")
+  if acts is not None:
+    for cls_name, activation in (
+        ("SiLUActivation", "silu"), ("GELUActivation", "gelu"),
+        # GELUTanh, NewGELU, FastGELU and AccurateGELU are all the tanh approximation
+        # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+        ("GELUTanh", "gelu_tanh"), ("NewGELUActivation", "gelu_tanh"),
+        ("FastGELUActivation", "gelu_tanh"), ("AccurateGELUActivation", "gelu_tanh"),
+        ("ReLUSquaredActivation", "relu2"), ("LinearActivation", "identity")):
+      cls = getattr(acts, cls_name, None)
+      if cls is not None:
+        table[cls] = activation
+  return table
+
+
+def _fused_activation(act_fn) -> str | None:
+  """The kernel's epilogue activation equal to act_fn, or None."""
+  if type(act_fn) is torch.nn.GELU:
     return "gelu_tanh" if act_fn.approximate == "tanh" else "gelu"
-  if name not in _ACTIVATIONS_BY_CLASS:
-    raise NotImplementedError(
-        f"{op}: activation {name} is not fused by this kernel; supported: "
-        f"{', '.join(sorted(_ACTIVATIONS_BY_CLASS))}, torch.nn.GELU")
-  return _ACTIVATIONS_BY_CLASS[name]
+  table = _fused_activations()
+  try:
+    if act_fn in table:             # a plain function
+      return table[act_fn]
+  except TypeError:                 # unhashable callable
+    return None
+  return table.get(type(act_fn))
 
 
-def _gate_of(op: str, module) -> tuple[str, bool, float, float]:
-  """(activation, is_concatenated, alpha, limit) of the module's gate."""
-  cls = type(module)
-  apply_gate = getattr(cls, "_apply_gate", None)
-  if apply_gate is not None and apply_gate.__name__ != "_default_apply_gate":
-    if cls.__name__ not in _GPT_OSS_GATE_CLASSES:
-      raise NotImplementedError(
-          f"{op}: {cls.__name__} has its own _apply_gate, which this kernel does not know; "
-          f"known custom gates: {', '.join(_GPT_OSS_GATE_CLASSES)} (gpt-oss's clamped gate)")
-    return ("gpt_oss", bool(getattr(module, "is_concatenated", True)), float(module.alpha),
-            float(module.limit))
-  # Transformers' default gate chunks [gate | up]: the concatenated layout.
-  return _activation_of(op, module.act_fn), True, 1.702, 7.0
+def _describe(act_fn) -> str:
+  return getattr(act_fn, "__qualname__", None) or type(act_fn).__qualname__
+
+
+# The epilogue formulas (kernels/tpu_kernels/ragged_dot.py: activation, gated) in torch float64,
+# to recognise a module's own `_apply_gate` by what it computes.
+def _activation_f64(name: str, x: torch.Tensor) -> torch.Tensor:
+  if name == "identity":
+    return x
+  if name == "silu":
+    return x * torch.sigmoid(x)
+  if name == "gelu_tanh":
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+  if name == "gelu":
+    return 0.5 * x * (1.0 + torch.erf(x * 0.7071067811865476))
+  if name == "relu":
+    return torch.clamp(x, min=0.0)
+  if name == "relu2":
+    return torch.clamp(x, min=0.0) ** 2
+  raise ValueError(name)
+
+
+def _gated_f64(name: str, gate, up, alpha: float, limit: float) -> torch.Tensor:
+  if name == "gpt_oss":
+    gate, up = torch.clamp(gate, max=limit), torch.clamp(up, -limit, limit)
+    return (up + 1.0) * gate * torch.sigmoid(gate * alpha)
+  if name == "clamped_silu":
+    gate, up = torch.clamp(gate, max=limit), torch.clamp(up, -limit, limit)
+    return gate * torch.sigmoid(gate) * up
+  return _activation_f64(name, gate) * up
+
+
+def _snapped(x: float) -> float:
+  """x to 12 significant digits: a parameter solved from the probes (1.7020000000000002)
+  back to the literal the module holds (1.702); the check that follows uses this value."""
+  return float(f"{x:.12g}")
+
+
+def _recognise_gate(apply_gate, width: int) -> tuple[str, bool, float, float] | None:
+  """(activation, is_concatenated, alpha, limit) if `apply_gate` ([S, 2I] -> [S, I]) computes
+  one of the kernel's gated epilogues, else None.
+
+  Decided by evaluating it in float64 on probe inputs: the parameters of the clamped forms
+  are solved from two probes (gate = c below the limit; up = 0 and up = 1e30, beyond any
+  limit), then every candidate is checked on random gate/up values spanning +-3 limits.
+  Agreement to 1e-6 (float32 rounding inside the gate passes) on all of them is required.
+  """
+  def call(gate, up, concatenated):
+    x = torch.cat([gate, up], -1) if concatenated else torch.stack([gate, up], -1).flatten(-2)
+    out = apply_gate(x)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(gate.shape):
+      raise ValueError("not a gate of the [S, 2I] -> [S, I] kind")
+    return out.to(torch.float64)
+
+  gen = torch.Generator().manual_seed(0)
+  rows = max(8, 8192 // width)
+  c = 0.25
+  for concatenated in (True, False):
+    try:
+      with torch.no_grad():
+        ones = torch.ones(1, width, dtype=torch.float64)
+        at_zero = float(call(c * ones, 0 * ones, concatenated)[0, 0])
+        at_huge = float(call(c * ones, 1e30 * ones, concatenated)[0, 0])
+        candidates = [(name, _DEFAULT_ALPHA, _DEFAULT_LIMIT) for name in SUPPORTED_ACTIVATIONS]
+        ratio = at_zero / c               # gpt_oss: sigmoid(alpha * c)
+        if 0.0 < ratio < 1.0 and at_zero != 0.0:
+          candidates.append(("gpt_oss", math.log(ratio / (1.0 - ratio)) / c,
+                             at_huge / at_zero - 1.0))
+        candidates.append(("clamped_silu", _DEFAULT_ALPHA, at_huge / (c / (1.0 + math.exp(-c)))))
+        for name, alpha, limit in candidates:
+          if not (math.isfinite(alpha) and math.isfinite(limit) and limit > c):
+            continue
+          alpha, limit = _snapped(alpha), _snapped(limit)
+          spread = 3.0 * min(limit, 1e6)
+          gate = torch.cat([torch.randn(rows, width, generator=gen, dtype=torch.float64) * 4,
+                            (torch.rand(rows, width, generator=gen, dtype=torch.float64) * 2
+                             - 1) * spread])
+          up = torch.cat([torch.randn(rows, width, generator=gen, dtype=torch.float64) * 4,
+                          (torch.rand(rows, width, generator=gen, dtype=torch.float64) * 2
+                           - 1) * spread])
+          want = _gated_f64(name, gate, up, alpha, limit)
+          if torch.allclose(call(gate, up, concatenated), want, rtol=1e-6, atol=1e-6):
+            return name, concatenated, alpha, limit
+    except Exception:  # noqa: BLE001  (a gate that cannot run on the probe is not recognised)
+      continue
+  return None
+
+
+_SCALARS = (bool, int, float, str, type(None))
+_CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+# (module class, state key) -> recognised gate or None; the probe runs once per state.
+_RECOGNISED_GATES: dict = {}
+
+
+def _state_key(module: torch.nn.Module) -> tuple:
+  """Everything a gate may read besides tensors: scalar and function attributes of the module
+  and its submodules (an edit of `limit` or `act_fn` gives a new key)."""
+  parts = []
+  for name, sub in module.named_modules():
+    items = tuple(sorted((k, v) for k, v in vars(sub).items()
+                         if isinstance(v, _SCALARS + _CALLABLES)))
+    parts.append((name, type(sub), items))
+  return tuple(parts)
+
+
+def _custom_gate(module, width: int) -> tuple[str, bool, float, float] | None:
+  """The recognised gate of a module with its own `_apply_gate`, or None. While torch.compile
+  traces, a gate not probed before counts as unknown (the probe reads values: it cannot be
+  traced), so the generic route is compiled; calling the module once before compiling makes
+  the fused one available."""
+  key = (type(module), _state_key(module))
+  if key not in _RECOGNISED_GATES:
+    if torch.compiler.is_compiling():
+      return None
+    # Real tensors even when the caller traces with FakeTensors (torch.export, jax_op).
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+      _RECOGNISED_GATES[key] = _recognise_gate(module._apply_gate, width)
+  return _RECOGNISED_GATES[key]
+
+
+def _is_default_gate(module) -> bool:
+  """True iff module._apply_gate is Transformers' default (act_fn(gate) * up on [gate | up])."""
+  moe = sys.modules.get("transformers.integrations.moe")
+  default = getattr(moe, "_default_apply_gate", None)
+  return default is not None and getattr(module._apply_gate, "__func__", None) is default
+
+
+def experts_plan(module) -> ExpertsPlan:
+  """The route experts_forward takes for a Transformers experts module, and why."""
+  if getattr(module, "has_post_expert_norm", False):
+    return ExpertsPlan("generic", reason="post-expert norm (applied in torch between the down "
+                                         "projection and the routing weights)")
+  has_gate = bool(getattr(module, "has_gate", True))
+  if not has_gate or _is_default_gate(module):
+    activation = _fused_activation(module.act_fn)
+    if activation is None:
+      return ExpertsPlan("generic", reason=f"activation {_describe(module.act_fn)} is not one "
+                                           f"of the kernel's epilogues {SUPPORTED_ACTIVATIONS}")
+    # Transformers' default gate chunks [gate | up]: the concatenated layout.
+    return ExpertsPlan("fused", activation)
+  up_proj = module.gate_up_proj
+  width = up_proj.shape[2 if getattr(module, "is_transposed", False) else 1] // 2
+  gate = _custom_gate(module, width)
+  if gate is None:
+    return ExpertsPlan("generic", reason=f"{type(module).__name__}._apply_gate is not one of "
+                                         f"the kernel's gated epilogues")
+  activation, is_concatenated, alpha, limit = gate
+  return ExpertsPlan("fused", activation, is_concatenated, alpha, limit)
+
+
+def _experts_generic(module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor, up_name: str, weights: dict,
+                     compute_dtype: torch.dtype) -> torch.Tensor:
+  """The generic route: [T, H] in float32 (the caller casts).
+
+  Pairs (token, expert) sorted by expert id (stable; expert-parallel placeholder ids
+  >= num_experts sort to the tail, in no group, so they come out as zero rows), then
+  ragged_dot (gate/up, no epilogue) -> module._apply_gate or act_fn -> ragged_dot (down,
+  float32) -> post_expert_norm (in the compute dtype, as eager applies it) -> routing
+  weights (float32) -> token order -> sum over k.
+  """
+  num_experts = int(module.num_experts)
+  tokens, top_k = top_k_index.shape
+  transpose_rhs = not bool(getattr(module, "is_transposed", False))
+  expert_ids = top_k_index.reshape(-1).to(torch.int64)
+  sorted_ids, perm = torch.sort(expert_ids, stable=True)
+  group_sizes = torch.zeros(num_experts + 1, dtype=torch.int32, device=hidden.device)
+  group_sizes = group_sizes.scatter_add(0, sorted_ids.clamp(max=num_experts),
+                                        torch.ones_like(sorted_ids, dtype=torch.int32))
+  group_sizes = group_sizes[:num_experts]
+  x = hidden.to(compute_dtype)[perm // top_k]
+  h = ragged_dot(x, weights[up_name], group_sizes, transpose_rhs=transpose_rhs,
+                 rhs_scale=weights[f"{up_name}_scale"], bias=weights[f"{up_name}_bias"])
+  h = module._apply_gate(h) if up_name == "gate_up_proj" else module.act_fn(h)
+  # As Transformers' grouped_mm: the down projection's input in the weights' dtype.
+  y = ragged_dot(h.to(compute_dtype), weights["down_proj"], group_sizes,
+                 transpose_rhs=transpose_rhs, rhs_scale=weights["down_proj_scale"],
+                 bias=weights["down_proj_bias"], out_dtype=torch.float32)
+  if getattr(module, "has_post_expert_norm", False):
+    y = module.post_expert_norm(y.to(compute_dtype)).float()
+  y = y * top_k_weights.reshape(-1)[perm].float()[:, None]
+  inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.shape[0],
+                                                                  device=perm.device))
+  return y[inverse].reshape(tokens, top_k, y.shape[1]).sum(dim=1)
 
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-  """Transformers experts forward on the fused kernel (register it in ALL_EXPERTS_FUNCTIONS).
+  """Transformers experts forward on the kernel (register it in ALL_EXPERTS_FUNCTIONS).
 
   `self` is a Transformers experts module (`@use_experts_implementation`): it reads
-  num_experts, has_gate, has_bias, is_transposed, is_concatenated, act_fn (or gpt-oss's
-  alpha / limit), gate_up_proj / up_proj, down_proj, their biases, and the scales
-  `quantize_experts_` stores. Ids >= num_experts (expert-parallel placeholders)
-  contribute nothing. Returns [T, H] in hidden_states' dtype.
+  num_experts, has_gate, has_bias, is_transposed, act_fn, `_apply_gate`,
+  has_post_expert_norm / post_expert_norm, gate_up_proj / up_proj, down_proj, their biases,
+  and the scales `quantize_experts_` stores. `experts_plan(self)` says which route runs:
+  fused (the gate in the kernel's epilogue) or generic (the module's own gate, activation
+  or post-expert norm in torch between two ragged_dot calls). Ids >= num_experts
+  (expert-parallel placeholders) contribute nothing. Differentiable on both routes.
+  Returns [T, H] in hidden_states' dtype.
   """
   op = "experts_forward"
-  if getattr(self, "has_post_expert_norm", False):
-    raise NotImplementedError(f"{op}: experts with a post-expert norm (has_post_expert_norm) "
-                              f"are not supported by this kernel")
   has_gate = bool(getattr(self, "has_gate", True))
   has_bias = bool(getattr(self, "has_bias", False))
   is_transposed = bool(getattr(self, "is_transposed", False))
   num_experts = int(self.num_experts)
-  if has_gate:
-    activation, is_concatenated, alpha, limit = _gate_of(op, self)
-    up_name = "gate_up_proj"
-  else:
-    activation, is_concatenated, alpha, limit = _activation_of(op, self.act_fn), True, 1.702, 7.0
-    up_name = "up_proj"
+  up_name = "gate_up_proj" if has_gate else "up_proj"
   gate_up, down = getattr(self, up_name), self.down_proj
   gate_up_scale = getattr(self, f"{up_name}_scale", None)
   down_scale = getattr(self, "down_proj_scale", None)
@@ -248,6 +465,14 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
   _shim.device_type_of(op, {"hidden_states": hidden_states, "top_k_index": top_k_index,
                             "top_k_weights": top_k_weights, up_name: gate_up, "down_proj": down})
 
+  plan = experts_plan(self)
+  if plan.route == "generic":
+    weights = {up_name: gate_up, f"{up_name}_scale": gate_up_scale,
+               f"{up_name}_bias": gate_up_bias, "down_proj": down,
+               "down_proj_scale": down_scale, "down_proj_bias": down_bias}
+    out = _experts_generic(self, hidden_states, top_k_index, top_k_weights, up_name, weights,
+                           compute_dtype)
+    return out.to(hidden_states.dtype)
   # int64 ids go to JAX as int32 explicitly (DLPack would narrow them silently otherwise).
   index = top_k_index.to(torch.int32).contiguous()
   out = experts_op(hidden_states.to(compute_dtype).contiguous(), index,
@@ -255,7 +480,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
                    None if gate_up_bias is None else gate_up_bias.contiguous(),
                    None if down_bias is None else down_bias.contiguous(),
                    gate_up_scale, down_scale, num_experts, has_gate, is_transposed,
-                   is_concatenated, activation, alpha, limit)
+                   plan.is_concatenated, plan.activation, plan.alpha, plan.limit)
   return out.to(hidden_states.dtype)
 
 

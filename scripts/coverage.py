@@ -1,0 +1,398 @@
+"""Which model families of the installed Transformers the kernels run, found by walking its
+modeling modules (no hand-kept list), each family built small from its own config classes
+with random weights.
+
+    python scripts/coverage.py [--family NAME ...] [--dist DIR]
+
+prints one row per family: family | experts, each cell "matches", "refused: <reason>" or
+"not applicable", and a summary line with the Transformers version.
+
+Layout (so that more columns can be added): `families()` is the one family walk; a column
+is a function `<column>_cell(kernels, family) -> Cell` listed in COLUMNS. The experts
+column builds every `@use_experts_implementation` class of the family (found by code: its
+forward is the decorator's wrapper) and compares ragged-dot-tpu's `experts_forward`
+against the module's own "eager" forward, forward and backward, in float32.
+tests/torch/test_moe_experts_all_families.py imports this walk and these builders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib
+import inspect
+import os
+import pkgutil
+import re
+import sys
+import typing
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+# float32: kernel vs eager, max |got - want| / max |want| per tensor (output and every
+# gradient). Only the summation order differs, so 1e-4 leaves a wide margin (observed <1e-6).
+F32_BOUND = 1e-4
+
+
+# ------------------------------------------------------------------------------ family walk
+
+
+@dataclasses.dataclass
+class Family:
+  """One `transformers.models.<name>` package: its imported modeling modules, and the ones
+  that failed to import (module name -> error) with whether their source mentions experts."""
+
+  name: str
+  modules: list = dataclasses.field(default_factory=list)
+  import_errors: dict = dataclasses.field(default_factory=dict)
+
+  def classes(self, predicate) -> list[type]:
+    """Classes defined (not merely imported) in the family's modeling modules."""
+    found = []
+    for module in self.modules:
+      for value in vars(module).values():
+        if isinstance(value, type) and value.__module__ == module.__name__ and predicate(value):
+          found.append(value)
+    return found
+
+
+def _source_mentions(module_name: str, text: str) -> bool:
+  spec = importlib.util.find_spec(module_name)
+  return bool(spec and spec.origin and text in Path(spec.origin).read_text())
+
+
+@functools.cache
+def families() -> tuple[Family, ...]:
+  """Every package of transformers.models with its modeling_* modules, imported."""
+  import transformers.models
+
+  out = []
+  for package in sorted(pkgutil.iter_modules(transformers.models.__path__),
+                        key=lambda p: p.name):
+    if not package.ispkg:
+      continue
+    family = Family(package.name)
+    prefix = f"transformers.models.{package.name}"
+    path = Path(transformers.models.__path__[0]) / package.name
+    for module in sorted(pkgutil.iter_modules([str(path)]), key=lambda m: m.name):
+      if not module.name.startswith("modeling_"):
+        continue
+      name = f"{prefix}.{module.name}"
+      try:
+        family.modules.append(importlib.import_module(name))
+      except Exception as e:  # noqa: BLE001  (recorded, reported by every column)
+        family.import_errors[name] = f"{type(e).__name__}: {e}"
+    if family.modules or family.import_errors:
+      out.append(family)
+  return tuple(out)
+
+
+def family(name: str) -> Family:
+  for f in families():
+    if f.name == name:
+      return f
+  raise KeyError(f"no family {name!r} in transformers.models")
+
+
+# ------------------------------------------------------------------------------ tiny configs
+
+# The sizes a family is shrunk to: small enough for Pallas interpret mode on a CPU core.
+TINY = dict(hidden=32, intermediate=16, experts=4, top_k=2)
+
+
+def _tiny_value(key: str):
+  """The small value for a config attribute (or __init__ argument) named `key`, or None to
+  leave it: sizes of the hidden and intermediate dimensions, the expert count and top-k."""
+  k = key.lower()
+  if "expert" in k and ("per_tok" in k or "top" in k):
+    return TINY["top_k"]
+  if re.search(r"intermediate|ffn", k):
+    return TINY["intermediate"]
+  if re.search(r"hidden_size|d_model|hidden_dim", k):
+    return TINY["hidden"]
+  if re.search(r"^(num_|n_)(local_|routed_)?experts$|^num_experts|moe_num_experts", k):
+    return TINY["experts"]
+  return None
+
+
+def shrink_config(config):
+  """`config` with its hidden / intermediate sizes and expert counts made tiny (in place)."""
+  for key, value in config.to_dict().items():
+    small = _tiny_value(key)
+    if small is None or isinstance(value, bool):
+      continue
+    if value is None or isinstance(value, int):
+      setattr(config, key, small)
+    elif isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
+      setattr(config, key, type(value)(small for _ in value))
+  return config
+
+
+def config_classes(cls: type) -> list[type]:
+  """The config classes `cls` may be built from: its __init__'s `config` annotation first,
+  then every config class of its family's configuration module."""
+  from transformers import PretrainedConfig
+
+  candidates = []
+  try:
+    hint = typing.get_type_hints(inspect.unwrap(cls.__init__)).get("config")
+    if isinstance(hint, type) and issubclass(hint, PretrainedConfig):
+      candidates.append(hint)
+  except Exception:  # noqa: BLE001  (an unresolvable annotation: fall back to the family's)
+    pass
+  package = cls.__module__.rsplit(".", 1)[0]
+  for module_info in pkgutil.iter_modules(importlib.import_module(package).__path__):
+    if module_info.name.startswith("configuration_"):
+      module = importlib.import_module(f"{package}.{module_info.name}")
+      candidates += [v for v in vars(module).values()
+                     if isinstance(v, type) and issubclass(v, PretrainedConfig)
+                     and v.__module__ == module.__name__ and v not in candidates]
+  return candidates
+
+
+class BuildError(RuntimeError):
+  """A class could not be built small (the message says why, for every config tried)."""
+
+
+def build_small(cls: type, check=lambda module: None):
+  """An instance of `cls` from the first of its config classes that builds once shrunk,
+  (module, config). Extra __init__ arguments named like sizes get the tiny sizes. `check`
+  raises on an instance that is not usable (e.g. still large). Raises BuildError."""
+  import torch
+
+  errors = []
+  params = list(inspect.signature(inspect.unwrap(cls.__init__)).parameters)[2:]
+  extra = {p: _tiny_value(p) for p in params if _tiny_value(p) is not None}
+  for config_class in config_classes(cls):
+    try:
+      config = shrink_config(config_class())
+      with torch.device("meta"):   # sizes first: a shrink that missed a size costs nothing
+        check(cls(config, **extra))
+      module = cls(config, **extra)
+      return module, config
+    except Exception as e:  # noqa: BLE001  (collected into the BuildError)
+      errors.append(f"{config_class.__name__}: {type(e).__name__}: {e}")
+  raise BuildError(f"{cls.__module__}.{cls.__qualname__} could not be built small: "
+                   + ("; ".join(errors) or "no config class found"))
+
+
+# ------------------------------------------------------------------------------ experts
+
+
+@functools.cache
+def _experts_wrapper_code():
+  """The code object of the forward `@use_experts_implementation` installs on a class."""
+  import torch
+  from transformers.integrations.moe import use_experts_implementation
+
+  class Probe(torch.nn.Module):
+    def forward(self, x):
+      return x
+
+  return use_experts_implementation(Probe).forward.__code__
+
+
+def is_experts_class(cls: type) -> bool:
+  """True iff `cls` is decorated with Transformers' @use_experts_implementation."""
+  return getattr(getattr(cls, "forward", None), "__code__", None) is _experts_wrapper_code()
+
+
+def experts_classes(fam: Family) -> list[type]:
+  return fam.classes(is_experts_class)
+
+
+def all_experts_classes() -> list[tuple[str, type]]:
+  """(family name, class) of every @use_experts_implementation class, in family order."""
+  return [(f.name, cls) for f in families() for cls in experts_classes(f)]
+
+
+def unimportable_experts_modules() -> dict[str, str]:
+  """Modeling modules that failed to import although their source uses the decorator."""
+  return {name: error for f in families() for name, error in f.import_errors.items()
+          if _source_mentions(name, "use_experts_implementation")}
+
+
+def _check_tiny_experts(module) -> None:
+  limit = 4 * TINY["hidden"] * TINY["intermediate"] * TINY["experts"]
+  for name, p in module.named_parameters():
+    if p.numel() > limit:
+      raise BuildError(f"parameter {name} {tuple(p.shape)} was not shrunk")
+
+
+def build_experts(cls: type, dtype, seed: int = 0):
+  """A tiny instance of experts class `cls` with random weights, set to "eager".
+
+  3-D expert weights ~ N(0, (2 / sqrt(fan_in))^2), 2-D (biases) ~ N(0, 0.01), 1-D (norm
+  weights) ~ 1 + N(0, 0.01). Raises BuildError.
+  """
+  import torch
+
+  torch.manual_seed(seed)
+  module, config = build_small(cls, _check_tiny_experts)
+  with torch.no_grad():
+    for p in module.parameters():
+      if p.dim() == 3:
+        fan_in = p.shape[1] if module.is_transposed else p.shape[2]
+        p.copy_(torch.randn_like(p) * 2 * fan_in ** -0.5)
+      elif p.dim() == 2:
+        p.copy_(torch.randn_like(p) * 0.1)
+      else:
+        p.copy_(1 + torch.randn_like(p) * 0.1)
+  config._experts_implementation = "eager"
+  return module.to(dtype)
+
+
+def experts_inputs(module, dtype, seed: int = 1, tokens: int = 12, placeholders: int = 0,
+                   scale: float | None = None):
+  """(hidden [T, H], top_k_index [T, K] int64, top_k_weights [T, K], direction [T, H]).
+
+  Hidden ~ N(0, scale^2). float32's default scale 3 puts the gate/up values (std ~6) past
+  the clamp limits (7-10) of the clamped gates often, so the clamps are exercised. bfloat16's
+  default is 1 (std ~2, the limits > 3 sigma away): there a bf16 rounding of a value near a
+  limit would move it across the clamp on one side only, turning that element's gradient
+  from its full value to 0, a difference of the clamp, not of the kernel.
+  Ids >= num_experts (`placeholders` of them) are expert-parallel placeholders."""
+  import torch
+
+  if scale is None:
+    scale = 3.0 if dtype == torch.float32 else 1.0
+  gen = torch.Generator().manual_seed(seed)
+  hidden_size = module.down_proj.shape[2 if module.is_transposed else 1]
+  num_experts, top_k = module.num_experts, min(TINY["top_k"], module.num_experts)
+  hidden = torch.randn(tokens, hidden_size, generator=gen) * scale
+  index = torch.stack([torch.randperm(num_experts + placeholders, generator=gen)[:top_k]
+                       for _ in range(tokens)])
+  weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+  direction = torch.randn(tokens, hidden_size, generator=gen)
+  return hidden.to(dtype), index, weights.to(dtype), direction
+
+
+def run_experts(forward, module, hidden, index, weights, direction):
+  """forward(module, hidden, index, weights) and the gradients of <out, direction> w.r.t.
+  hidden, the routing weights and every parameter: {name: tensor} (out under "out")."""
+  import torch
+
+  module.zero_grad(set_to_none=True)
+  hidden = hidden.detach().clone().requires_grad_()
+  weights = weights.detach().clone().requires_grad_()
+  out = forward(module, hidden, index, weights)
+  (out.float() * direction).sum().backward()
+  result = {"out": out.detach(), "grad hidden": hidden.grad, "grad top_k_weights": weights.grad}
+  result.update({f"grad {n}": p.grad for n, p in module.named_parameters()})
+  return result
+
+
+def eager_forward(module, hidden, index, weights):
+  module.config._experts_implementation = "eager"
+  return module(hidden, index, weights)
+
+
+def relative_errors(got: dict, want: dict) -> dict[str, float]:
+  """max |got - want| / max |want| per entry (inf where one side is missing)."""
+  errors = {}
+  for name, w in want.items():
+    g = got.get(name)
+    if g is None or w is None:
+      errors[name] = 0.0 if g is None and w is None else float("inf")
+      continue
+    scale = float(w.float().abs().max()) or 1.0
+    errors[name] = float((g.float() - w.float()).abs().max()) / scale
+  return errors
+
+
+def experts_cell(kernels, fam: Family) -> str:
+  """"matches" when every experts class of the family equals eager in float32 (forward and
+  backward within F32_BOUND), else "refused: <reason>"; "not applicable" without one."""
+  import torch
+
+  classes = experts_classes(fam)
+  broken = {n: e for n, e in fam.import_errors.items()
+            if _source_mentions(n, "use_experts_implementation")}
+  if broken:
+    return "refused: " + "; ".join(f"{n} does not import ({e})" for n, e in broken.items())
+  if not classes:
+    return "not applicable"
+  kernel = kernels["ragged-dot-tpu"]
+  problems = []
+  for cls in classes:
+    try:
+      module = build_experts(cls, torch.float32)
+      inputs = experts_inputs(module, torch.float32)
+      want = run_experts(eager_forward, module, *inputs)
+      got = run_experts(kernel.experts_forward, module, *inputs)
+    except Exception as e:  # noqa: BLE001  (a refusal or crash is what this cell reports)
+      problems.append(f"{cls.__name__}: {type(e).__name__}: {e}")
+      continue
+    worst = max(relative_errors(got, want).items(), key=lambda kv: kv[1])
+    if worst[1] > F32_BOUND:
+      problems.append(f"{cls.__name__}: {worst[0]} differs by {worst[1]:.1e}")
+  if problems:
+    return "refused: " + "; ".join(problems)
+  return "matches" if len(classes) == 1 else f"matches ({len(classes)} classes)"
+
+
+# ------------------------------------------------------------------------------ the table
+
+# column name -> cell function (kernels, family) -> str. Add attention / norm columns here.
+COLUMNS = {"experts": experts_cell}
+
+
+def load_kernels(dist: Path) -> dict:
+  """The ready kernel repos built into `dist` and loaded with get_kernel (LOCAL_KERNELS)."""
+  import build
+
+  manifest = build.load_manifest()
+  org = manifest["collection"]["hub-org"]
+  ready = build.ready_kernels(manifest)
+  for name in ready:
+    build.build_kernel(name, manifest, dist)
+  os.environ["LOCAL_KERNELS"] = ":".join(f"{org}/{n}={dist / n}" for n in ready)
+  from kernels import get_kernel
+
+  return {name: get_kernel(f"{org}/{name}", version=1) for name in ready}
+
+
+def table(kernels, names=None) -> list[tuple[str, dict]]:
+  rows = []
+  for fam in families():
+    if names and fam.name not in names:
+      continue
+    rows.append((fam.name, {column: cell(kernels, fam) for column, cell in COLUMNS.items()}))
+  return rows
+
+
+def summary(rows) -> str:
+  import transformers
+
+  parts = []
+  for column in COLUMNS:
+    cells = [cells[column] for _, cells in rows]
+    applicable = [c for c in cells if c != "not applicable"]
+    matching = sum(c.startswith("matches") for c in applicable)
+    parts.append(f"{column}: {matching}/{len(applicable)} families match")
+  return f"Transformers {transformers.__version__}: " + ", ".join(parts)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--family", action="append", help="only these families (repeatable)")
+  parser.add_argument("--dist", type=Path, default=ROOT / "dist", help="where to build")
+  parser.add_argument("--all", action="store_true",
+                      help="also print families where every column is not applicable")
+  args = parser.parse_args(argv)
+  kernels = load_kernels(args.dist.resolve())
+  rows = table(kernels, set(args.family or ()))
+  width = max([len("family")] + [len(name) for name, _ in rows])
+  print(f"{'family':<{width}} | " + " | ".join(COLUMNS))
+  for name, cells in rows:
+    if args.all or any(c != "not applicable" for c in cells.values()):
+      print(f"{name:<{width}} | " + " | ".join(cells[c] for c in COLUMNS))
+  print(summary(rows))
+  return 0 if all(not c.startswith("refused") for _, cells in rows for c in cells.values()) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
