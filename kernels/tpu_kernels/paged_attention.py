@@ -557,29 +557,41 @@ def _scales(scale, num_kv_heads, name):
   return jnp.broadcast_to(s.astype(jnp.float32).reshape(-1), (num_kv_heads,))
 
 
+def _check_pages(pages, head_dim, what, name="k_pages"):
+  """One paged cache [num_pages, Hkv, page_size, D] read or written with `what`'s
+  head_dim. Returns whether it is quantized (int8 / float8_e4m3fn)."""
+  if pages.ndim != 4:
+    raise ValueError(f"{name} must be 4-D [num_pages, num_kv_heads, page_size, head_dim], "
+                     f"got shape {pages.shape}")
+  num_pages, num_kv_heads, page_size, cache_head_dim = pages.shape
+  if cache_head_dim != head_dim:
+    raise ValueError(f"the cache's head_dim {cache_head_dim} differs from {what}'s {head_dim}")
+  if page_size not in PAGE_SIZES:
+    raise ValueError(f"page_size must be a multiple of 16 from 16 to 256, got {page_size}")
+  if num_kv_heads == 0 or num_pages == 0:
+    raise ValueError(f"the cache must have KV heads and pages, got shape {pages.shape}")
+  return pages.dtype in QUANTIZED_DTYPES
+
+
+def _check_scales_given(quantized, cache_dtype, scales: dict):
+  """Scales (name -> value or None) are given for a quantized cache, absent otherwise."""
+  if quantized and any(s is None for s in scales.values()):
+    raise ValueError(f"a {cache_dtype} cache needs {' and '.join(scales)}")
+  if not quantized and any(s is not None for s in scales.values()):
+    verb = "apply" if len(scales) > 1 else "applies"
+    raise ValueError(f"{' / '.join(scales)} {verb} only to int8 / float8_e4m3fn caches, not "
+                     f"{cache_dtype}")
+
+
 def _check_cache(k_pages, v_pages, head_dim, k_scale, v_scale, what):
-  if k_pages.ndim != 4:
-    raise ValueError(f"k_pages must be 4-D [num_pages, num_kv_heads, page_size, head_dim], "
-                     f"got shape {k_pages.shape}")
+  quantized = _check_pages(k_pages, head_dim, what)
   if k_pages.shape != v_pages.shape:
     raise ValueError(f"k_pages and v_pages must have the same shape, got {k_pages.shape} and "
                      f"{v_pages.shape}")
   if k_pages.dtype != v_pages.dtype:
     raise TypeError(f"k_pages and v_pages must have the same dtype, got {k_pages.dtype} and "
                     f"{v_pages.dtype}")
-  num_pages, num_kv_heads, page_size, cache_head_dim = k_pages.shape
-  if cache_head_dim != head_dim:
-    raise ValueError(f"the cache's head_dim {cache_head_dim} differs from {what}'s {head_dim}")
-  if page_size not in PAGE_SIZES:
-    raise ValueError(f"page_size must be a multiple of 16 from 16 to 256, got {page_size}")
-  if num_kv_heads == 0 or num_pages == 0:
-    raise ValueError(f"the cache must have KV heads and pages, got shape {k_pages.shape}")
-  quantized = k_pages.dtype in QUANTIZED_DTYPES
-  if quantized and (k_scale is None or v_scale is None):
-    raise ValueError(f"a {k_pages.dtype} cache needs k_scale and v_scale")
-  if not quantized and (k_scale is not None or v_scale is not None):
-    raise ValueError(f"k_scale / v_scale apply only to int8 / float8_e4m3fn caches, not "
-                     f"{k_pages.dtype}")
+  _check_scales_given(quantized, k_pages.dtype, {"k_scale": k_scale, "v_scale": v_scale})
   return quantized
 
 
@@ -778,6 +790,32 @@ def _quantize(x, dtype, scale):
   return jnp.clip(y, -_FP8_E4M3_MAX, _FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
 
 
+def _write_rows(pages, new, slot_mapping, scale, name):
+  """The scatter behind both cache writes: `pages` (checked by _check_pages) with row t of
+  `new` ([T, Hkv, D], its head_dim checked; quantized with `scale` for an int8 / fp8
+  cache) at slot slot_mapping[t]."""
+  num_pages, num_kv_heads, page_size, _ = pages.shape
+  quantized = pages.dtype in QUANTIZED_DTYPES
+  if new.shape[1] != num_kv_heads:
+    raise ValueError(f"{name} has {new.shape[1]} KV heads, the cache {num_kv_heads}")
+  if slot_mapping.shape != (new.shape[0],) or not jnp.issubdtype(slot_mapping.dtype,
+                                                                jnp.integer):
+    raise ValueError(f"slot_mapping must be integers of shape ({new.shape[0]},), got "
+                     f"{slot_mapping.shape} {slot_mapping.dtype}")
+  if quantized and new.dtype not in FLOAT_DTYPES:
+    raise TypeError(f"{name} must be float32 or bfloat16 for a quantized cache, got {new.dtype}")
+  if not quantized and new.dtype != pages.dtype:
+    raise TypeError(f"{name} must have the cache's dtype {pages.dtype}, got {new.dtype}; "
+                    f"no silent casts")
+  slots = slot_mapping.astype(jnp.int32)
+  page = jnp.where(slots < 0, num_pages, slots // page_size)   # out of range: dropped below
+  offset = slots % page_size
+  if scale is not None:
+    scale = _scales(scale, num_kv_heads, "scale")
+  values = _quantize(new, pages.dtype, scale)                    # [T, Hkv, D]
+  return pages.at[page, :, offset].set(values, mode="drop")
+
+
 def write_kv_cache(k_pages, v_pages, new_k, new_v, slot_mapping, *, k_scale=None,
                    v_scale=None):
   """Writes new keys / values into their cache slots: (k_pages, v_pages) updated.
@@ -793,36 +831,44 @@ def write_kv_cache(k_pages, v_pages, new_k, new_v, slot_mapping, *, k_scale=None
     k_scale, v_scale: a float or an [Hkv] array, for quantized caches only.
 
   Functional in JAX. Under `jax.jit(..., donate_argnums=(0, 1))` XLA aliases the
-  caches' buffers to the results, so on a TPU the write happens in place.
+  caches' buffers to the results, so on a TPU the write happens in place. k_pages and
+  v_pages must then be two buffers (XLA refuses to donate one twice): for K and V pages
+  in one array, use `write_kv_pages`.
   """
   if new_k.ndim != 3 or new_k.shape != new_v.shape:
     raise ValueError(f"new_k and new_v must both be [tokens, num_kv_heads, head_dim], got "
                      f"{new_k.shape} and {new_v.shape}")
-  quantized = _check_cache(k_pages, v_pages, new_k.shape[2], k_scale, v_scale, "new_k")
-  num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
-  if new_k.shape[1] != num_kv_heads:
-    raise ValueError(f"new_k has {new_k.shape[1]} KV heads, the cache {num_kv_heads}")
-  if slot_mapping.shape != (new_k.shape[0],) or not jnp.issubdtype(slot_mapping.dtype,
-                                                                  jnp.integer):
-    raise ValueError(f"slot_mapping must be integers of shape ({new_k.shape[0]},), got "
-                     f"{slot_mapping.shape} {slot_mapping.dtype}")
-  for name, a in (("new_k", new_k), ("new_v", new_v)):
-    if quantized and a.dtype not in FLOAT_DTYPES:
-      raise TypeError(f"{name} must be float32 or bfloat16 for a quantized cache, got {a.dtype}")
-    if not quantized and a.dtype != k_pages.dtype:
-      raise TypeError(f"{name} must have the cache's dtype {k_pages.dtype}, got {a.dtype}; "
-                      f"no silent casts")
-  slots = slot_mapping.astype(jnp.int32)
-  page = jnp.where(slots < 0, num_pages, slots // page_size)   # out of range: dropped below
-  offset = slots % page_size
+  _check_cache(k_pages, v_pages, new_k.shape[2], k_scale, v_scale, "new_k")
+  return (_write_rows(k_pages, new_k, slot_mapping, k_scale, "new_k"),
+          _write_rows(v_pages, new_v, slot_mapping, v_scale, "new_v"))
 
-  def put(cache, new, scale):
-    if scale is not None:
-      scale = _scales(scale, num_kv_heads, "scale")
-    values = _quantize(new, cache.dtype, scale)                  # [T, Hkv, D]
-    return cache.at[page, :, offset].set(values, mode="drop")
 
-  return put(k_pages, new_k, k_scale), put(v_pages, new_v, v_scale)
+def write_kv_pages(pages, new_rows, slot_mapping, *, scale=None):
+  """Writes rows into their slots of ONE paged cache: `pages` updated.
+
+  The one-array form of `write_kv_cache`, for a pool whose K and V pages live in the same
+  array (Transformers' continuous-batching engine keeps every layer's K and V pages in
+  one buffer; a fused K/V pool is another): K rows and V rows go in one call, their
+  slots pointing at K pages and V pages of the pool. Same contract per row:
+
+  Args:
+    pages: [num_pages, Hkv, page_size, D]: the cache.
+    new_rows: [T, Hkv, D]: the cache's dtype for a float cache (no silent casts);
+      float32 / bfloat16 for an int8 / float8_e4m3fn cache, quantized here with `scale`.
+    slot_mapping: [T] int32: row t goes to slot page_id * page_size + offset; a negative
+      slot skips the row. Slots past the cache are dropped (and refused by the torch op's
+      checks).
+    scale: a float or an [Hkv] array, for quantized caches only (one scale for every row
+      of the call: a pool whose K and V pages have different scales takes two calls).
+
+  Functional in JAX. Under `jax.jit(..., donate_argnums=(0,))` XLA aliases the cache's
+  buffer to the result, so on a TPU the write happens in place.
+  """
+  if new_rows.ndim != 3:
+    raise ValueError(f"new_rows must be [tokens, num_kv_heads, head_dim], got {new_rows.shape}")
+  quantized = _check_pages(pages, new_rows.shape[2], "new_rows", name="pages")
+  _check_scales_given(quantized, pages.dtype, {"scale": scale})
+  return _write_rows(pages, new_rows, slot_mapping, scale, "new_rows")
 
 
 def check_slots(slot_mapping, *, num_pages: int, page_size: int) -> None:

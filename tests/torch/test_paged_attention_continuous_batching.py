@@ -11,9 +11,10 @@ step budget of 32 tokens (a 44-token prompt is prefilled in two chunks, the seco
 its cached prefix) and at most 4 requests per step, and a cache too small for all
 requests at once, so that requests wait for pages other requests free. Each case checks
 that this happened: a page (block) held by two different requests in turn, a kernel call
-that mixes a decode token with a prefill chunk, one write_kv_cache_ and one
-ragged_paged_attention call per layer per step, and the kernel reading the engine's own
-cache tensor (same storage, no copy). A corrupted page must change the tokens.
+that mixes a decode token with a prefill chunk, one write_kv_pages_ and one
+ragged_paged_attention call per layer per step, and the kernel reading and the write
+writing the engine's own cache tensor (same storage, no copy; the write given it once, as
+its one cache). A corrupted page must change the tokens.
 
 Default cases: (llama, page 16), (qwen3, page 64), (gpt_oss, page 16). With
 HYPOTHESIS_PROFILE=thorough: every family with both page sizes.
@@ -82,6 +83,7 @@ class EngineRecorder:
     self.q_lens = []                  # per attention call: the real sequences' q lengths
     self.q_kv_lens = []               # per attention call: (q_len, kv_len) of each of them
     self.k_cache_storages = set()
+    self.write_cache_storages = set()   # the storage of every write's one cache
     self.writes = 0
     self.corrupted = None
     recorder = self
@@ -101,7 +103,7 @@ class EngineRecorder:
         recorder.corrupted = request_id
       return extend(cache, request_id, past_length, query_length, read_index, write_index)
 
-    attention_op, write_op = paged.ragged_paged_attention_op, paged.write_kv_cache_op
+    attention_op, write_op = paged.ragged_paged_attention_op, paged.write_kv_pages_op
 
     def recording_attention(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, *rest):
       lens = torch.diff(cu_q_lens).tolist()
@@ -110,15 +112,16 @@ class EngineRecorder:
       recorder.k_cache_storages.add(k_cache.untyped_storage().data_ptr())
       return attention_op(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, *rest)
 
-    def recording_write(*args):
+    def recording_write(cache, *rest):
       recorder.writes += 1
-      return write_op(*args)
+      recorder.write_cache_storages.add(cache.untyped_storage().data_ptr())
+      return write_op(cache, *rest)
 
     monkeypatch.setattr(FullAttentionCacheAllocator, "allocate_cache_to_request",
                         recording_allocate)
     monkeypatch.setattr(PagedAttentionCache, "extend_read_and_write_indices", recording_extend)
     monkeypatch.setattr(paged, "ragged_paged_attention_op", recording_attention)
-    monkeypatch.setattr(paged, "write_kv_cache_op", recording_write)
+    monkeypatch.setattr(paged, "write_kv_pages_op", recording_write)
 
 
 def _serve(paged, model, prompts, page_size: int) -> list[list[int]]:
@@ -168,8 +171,10 @@ def test_generate_batch_matches_generate(paged, family, page_size, monkeypatch):
   assert any(q > 1 and kv > q for call in recorder.q_kv_lens for q, kv in call)
   layers = model.config.num_hidden_layers
   assert recorder.writes == len(recorder.q_lens) and len(recorder.q_lens) % layers == 0
-  # The kernel read the engine's cache tensor itself.
-  assert recorder.k_cache_storages == {recorder.cache.cache_tensor.untyped_storage().data_ptr()}
+  # The kernel read, and the one-cache write wrote, the engine's cache tensor itself.
+  engine_storage = recorder.cache.cache_tensor.untyped_storage().data_ptr()
+  assert recorder.k_cache_storages == {engine_storage}
+  assert recorder.write_cache_storages == {engine_storage}
 
 
 def test_a_corrupted_page_changes_the_tokens(paged, monkeypatch):

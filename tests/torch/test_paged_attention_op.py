@@ -219,6 +219,39 @@ def test_write_kv_cache_in_place(paged, cache_dtype):
   assert torch.equal(_bits(v_cache), _bits(want_v))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8,
+                                         torch.float8_e4m3fn])
+def test_write_kv_pages_one_cache_in_place(paged, cache_dtype):
+  """write_kv_pages_: ONE cache holding K and V pages (here as Transformers' continuous
+  batching lays them out: K of block b on page 2b, V on page 2b + 1), the step's K and V
+  rows packed into one call. The cache is updated in place with exactly the contract's
+  values (plain torch indexing below); skipped (-1) and untouched slots keep theirs."""
+  gen = torch.Generator().manual_seed(11)
+  # bfloat16 rows into the int8 cache; float32 into fp8: XLA divides by the scale as a
+  # multiply by its reciprocal (up to 1 ulp off the quotient), so an exact rounding tie,
+  # frequent for bfloat16 values at fp8's 3-bit mantissa, may land one fp8 step from
+  # torch's rounding (the shared quantizer of both writes; see write_kv_cache's test).
+  new_dtype = {torch.int8: torch.bfloat16, torch.float8_e4m3fn: torch.float32}.get(
+      cache_dtype, cache_dtype)
+  cache = torch.randn(PAGES, HKV, PAGE, D, generator=gen).to(cache_dtype)
+  new_k, new_v = (torch.randn(6, HKV, D, generator=gen).to(new_dtype) * 3 for _ in range(2))
+  k_slots = torch.tensor([2 * PAGE + 3, -1, 0, 2 * (PAGES // 2 - 1) * PAGE + PAGE - 1,
+                          6 * PAGE + 9, -1], dtype=torch.int32)
+  slots = torch.cat([k_slots, torch.where(k_slots >= 0, k_slots + PAGE, k_slots)])
+  rows = torch.cat([new_k, new_v])
+  scale = {torch.int8: torch.tensor([0.05, 0.02]), torch.float8_e4m3fn: 0.03}.get(cache_dtype)
+  want = cache.clone()
+  values = rows if scale is None else _quantize(rows, torch.as_tensor(scale).expand(HKV),
+                                                cache_dtype)
+  for t, slot in enumerate(slots.tolist()):
+    if slot >= 0:
+      want[slot // PAGE, :, slot % PAGE] = values[t]
+  ptr, storage = cache.data_ptr(), cache.untyped_storage().data_ptr()
+  assert paged.write_kv_pages_(cache, rows, slots, scale=scale) is None
+  assert cache.data_ptr() == ptr and cache.untyped_storage().data_ptr() == storage
+  assert torch.equal(_bits(cache), _bits(want))
+
+
 def test_write_then_attend_sees_the_new_tokens(paged):
   """A mixed step through the PagedKVCache helper: this step's K/V written, then read by
   the attention (new tokens attend to themselves and the cached prefix)."""
@@ -299,6 +332,17 @@ def test_opcheck(paged_ops):
   k8, v8 = (torch.zeros(PAGES, HKV, PAGE, D, dtype=torch.int8) for _ in range(2))
   scale = torch.tensor([0.05, 0.02])
   opcheck(paged_ops.write_kv_cache_op, (k8, v8, new_k, new_v, slots, scale, scale))
+
+
+def test_opcheck_write_kv_pages(paged_ops):
+  gen = torch.Generator().manual_seed(12)
+  rows = torch.randn(TOKENS, HKV, D, generator=gen)
+  slots = torch.arange(TOKENS, dtype=torch.int32) * 5
+  slots[-5:] = -1
+  cache = torch.randn(PAGES, HKV, PAGE, D, generator=gen)
+  opcheck(paged_ops.write_kv_pages_op, (cache, rows, slots, None))
+  cache8 = torch.zeros(PAGES, HKV, PAGE, D, dtype=torch.int8)
+  opcheck(paged_ops.write_kv_pages_op, (cache8, rows, slots, torch.tensor([0.05, 0.02])))
 
 
 def test_torch_compile_write_then_attend(paged):
@@ -477,6 +521,59 @@ def test_write_bad_input_gives_clear_error(paged, what, changes, error, message)
   assert torch.equal(_bits(args["k_cache"]), _bits(before))     # nothing written
 
 
+def _write_pages_ok(**changes):
+  args = dict(cache=torch.zeros(PAGES, HKV, PAGE, D), new_rows=torch.ones(4, HKV, D),
+              slot_mapping=_i32(0, PAGE, -1, PAGES * PAGE - 1))
+  args.update(changes)
+  return args
+
+
+_BAD_WRITE_PAGES = [
+    ("slot beyond the cache", dict(slot_mapping=_i32(0, 1, PAGES * PAGE, 3)), ValueError,
+     rf"write_kv_pages_: slot_mapping\[2\]={PAGES * PAGE} is past the cache's "
+     rf"{PAGES * PAGE} slots"),
+    ("new_rows dtype", dict(new_rows=torch.ones(4, HKV, D, dtype=torch.bfloat16)), TypeError,
+     "new_rows has dtype bfloat16, the cache float32"),
+    ("int64 slots", dict(slot_mapping=torch.zeros(4, dtype=torch.long)), TypeError,
+     "slot_mapping must be int32"),
+    ("slot count", dict(slot_mapping=_i32(0, 1, 2)), ValueError,
+     r"slot_mapping must have shape \(4,\)"),
+    ("new_rows heads", dict(new_rows=torch.ones(4, 1, D)), ValueError,
+     r"new_rows must have shape \(4, 2, 16\)"),
+    ("new_rows head_dim", dict(new_rows=torch.ones(4, HKV, 8)), ValueError,
+     r"new_rows must have shape \(4, 2, 16\)"),
+    ("new_rows 2-D", dict(new_rows=torch.ones(4, HKV * D)), ValueError, "new_rows"),
+    ("3-D cache", dict(cache=torch.zeros(PAGES, PAGE, D)), ValueError, "cache"),
+    ("float16 cache", dict(cache=torch.zeros(PAGES, HKV, PAGE, D, dtype=torch.float16),
+                           new_rows=torch.ones(4, HKV, D, dtype=torch.float16)), TypeError,
+     "cache has dtype float16"),
+    ("page size 8", dict(cache=torch.zeros(2 * PAGES, HKV, 8, D)), ValueError,
+     "multiple of 16"),
+    ("non-contiguous cache", dict(cache=torch.zeros(PAGES, PAGE, HKV, D).transpose(1, 2)),
+     ValueError, "cache must be contiguous"),
+    ("int8 cache without scale", dict(cache=torch.zeros(PAGES, HKV, PAGE, D, dtype=torch.int8)),
+     ValueError, "needs scale"),
+    ("scale on a float cache", dict(scale=0.5), ValueError, "scale is only for int8"),
+    ("scale <= 0", dict(cache=torch.zeros(PAGES, HKV, PAGE, D, dtype=torch.float8_e4m3fn),
+                        scale=-1.0), ValueError, "scale must be > 0"),
+    ("scale per head shape", dict(cache=torch.zeros(PAGES, HKV, PAGE, D, dtype=torch.int8),
+                                  scale=torch.ones(3)), ValueError,
+     r"scale must have shape \(2,\)"),
+    ("float64 scale", dict(cache=torch.zeros(PAGES, HKV, PAGE, D, dtype=torch.int8),
+                           scale=torch.ones(2, dtype=torch.float64)), TypeError, "scale"),
+]
+
+
+@pytest.mark.parametrize("what, changes, error, message", _BAD_WRITE_PAGES,
+                         ids=[b[0] for b in _BAD_WRITE_PAGES])
+def test_write_kv_pages_bad_input_gives_clear_error(paged, what, changes, error, message):
+  args = _write_pages_ok(**changes)
+  before = args["cache"].clone()
+  with pytest.raises(error, match=message):
+    paged.write_kv_pages_(**args)
+  assert torch.equal(_bits(args["cache"]), _bits(before))     # nothing written
+
+
 def test_every_entry_point_satisfies_jax_op_contract(paged, paged_ops):
   """TorchTPU's jax_op needs every parameter annotated: tensors as jax.Array, statics as
   plain types, and chip / interpret (filled in by the shim)."""
@@ -487,7 +584,11 @@ def test_every_entry_point_satisfies_jax_op_contract(paged, paged_ops):
   import jax
 
   functions = importlib.import_module(f"{paged.__name__}._jax_functions")
-  for kernel in (paged_ops._attention, paged_ops._write):
+  dispatch = importlib.import_module(f"{paged.__name__}._shim.dispatch")
+  kernels = [k for k in vars(paged_ops).values() if isinstance(k, dispatch.JaxKernel)]
+  assert {k.function for k in kernels} >= {"ragged_paged_attention_forward", "write_kv_cache",
+                                           "write_kv_pages"}
+  for kernel in kernels:
     signature = inspect.signature(getattr(functions, kernel.function), eval_str=True)
     params = signature.parameters
     assert {"chip", "interpret"} <= set(params), kernel.function
@@ -540,4 +641,49 @@ def test_tpu_branch_aliases_or_copies(paged, paged_ops, monkeypatch):
   assert donated == (0, 1)          # the caches, donated to the TPU program
   assert tensors[0] is k_cache and tensors[1] is v_cache     # the caches themselves
   assert [(tuple(t.shape), t.dtype) for t in tensors[5:]] == [((0,), torch.float32)] * 2
+  assert kwargs == dict(chip="v6e", interpret=False)
+
+
+def test_tpu_branch_one_cache_aliases_or_copies(paged, paged_ops, monkeypatch):
+  """write_kv_pages_ on "tpu" tensors (TorchTPU stand-in): its jax_op is built with only
+  the cache donated, is passed the cache itself, and the result is copied into the cache
+  only when it does not come back in the cache's buffer."""
+  import sys
+
+  from torch_tpu_stand_in import install_fake_torch_tpu
+
+  calls, dispatch = install_fake_torch_tpu(monkeypatch, paged)
+  aliased = {"on": True}
+
+  def jax_op(qualname, fn, donate_argnums=None):
+    calls["jax_op"].append((qualname, fn, donate_argnums))
+
+    def op(*tensors, **kwargs):
+      calls["op"].append((qualname, tensors, kwargs))
+      if aliased["on"]:
+        return tensors[0].fill_(1.0)    # what an aliased kernel does: write into the buffer
+      return torch.full_like(tensors[0], 3.0)
+    return op
+
+  monkeypatch.setattr(sys.modules["torch.tpu.pallas"], "jax_op", jax_op)
+  write = paged_ops._write_pages
+  monkeypatch.setattr(paged_ops, "_write_pages", dispatch.JaxKernel(
+      write.qualname + "_probe", write.module, write.function, cpu_chip="v6e",
+      donate_argnums=write.donate_argnums))
+  try:
+    args = _write_pages_ok()
+    cache = args["cache"]
+    paged.write_kv_pages_(**args)
+    assert (cache == 1.0).all()
+    aliased["on"] = False
+    paged.write_kv_pages_(**args)
+    assert (cache == 3.0).all()
+  finally:
+    dispatch.tpu_chip_name.cache_clear()
+  (name, tensors, kwargs), _ = calls["op"]
+  assert name.endswith("::write_kv_pages_probe_tpu_jax")
+  (_, _, donated), = calls["jax_op"]
+  assert donated == (0,)            # the one cache, donated to the TPU program
+  assert tensors[0] is cache        # the cache itself
+  assert [(tuple(t.shape), t.dtype) for t in tensors[3:]] == [((0,), torch.float32)]
   assert kwargs == dict(chip="v6e", interpret=False)

@@ -7,6 +7,9 @@ or CPU. Forward only: for serving.
                            k_scale=None, v_scale=None) -> out [T, Hq, D]
     write_kv_cache_(k_cache, v_cache, new_k, new_v, slot_mapping, *, k_scale=None,
                     v_scale=None)                       (in place; returns None)
+    write_kv_pages_(cache, new_rows, slot_mapping, *, scale=None)
+                              (the same write into ONE cache tensor: K and V pages of a
+                               shared pool, e.g. Transformers' continuous batching)
     PagedKVCache, PagedBatch                            (page allocation, step metadata)
     register_attention(name="tpu_serving")              (Transformers serving loop)
     set_continuous_batching_attention(model)            (Transformers' generate_batch)
@@ -32,7 +35,8 @@ import math
 import torch
 
 from . import _shim
-from ._custom_ops import QUANTIZED_DTYPES, ragged_paged_attention_op, write_kv_cache_op
+from ._custom_ops import (QUANTIZED_DTYPES, ragged_paged_attention_op, write_kv_cache_op,
+                          write_kv_pages_op)
 from ._shim import validation
 from ._shim.validation import check_int32, check_ndim, dtype_name
 from .cache import PagedBatch, PagedKVCache
@@ -46,9 +50,25 @@ __all__ = ["CONTINUOUS_BATCHING_ATTENTION_NAME", "DEFAULT_ATTENTION_NAME", "Page
            "PagedKVCache", "ServingStep", "attention_forward", "continuous_batching_attention",
            "make_attention_mask", "ragged_paged_attention", "register_attention",
            "register_continuous_batching", "set_continuous_batching_attention",
-           "write_kv_cache_"]
+           "write_kv_cache_", "write_kv_pages_"]
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check_cache(op: str, name: str, cache) -> tuple[int, int, int, int]:
+  """(num_pages, Hkv, page_size, D) of a valid cache `name`."""
+  validation.check_tensor(op, name, cache)
+  check_ndim(op, name, cache, 4, "[num_pages, kv_heads, page_size, head_dim]")
+  if cache.dtype not in COMPUTE_DTYPES + QUANTIZED_DTYPES:
+    raise TypeError(f"{op}: {name} has dtype {dtype_name(cache.dtype)}; a cache is "
+                    f"float32 / bfloat16 (q's dtype) or int8 / float8_e4m3fn (with scales)")
+  num_pages, num_kv_heads, page_size, head_dim = cache.shape
+  if min(cache.shape) == 0:
+    raise ValueError(f"{op}: {name} must have no empty dimension, got {tuple(cache.shape)}")
+  if page_size % 16 or not 16 <= page_size <= 256:
+    raise ValueError(f"{op}: page_size ({name}.shape[2]) must be a multiple of 16 in "
+                     f"[16, 256], got {page_size}")
+  return num_pages, num_kv_heads, page_size, head_dim
 
 
 def _check_caches(op: str, k_cache, v_cache) -> tuple[int, int, int, int]:
@@ -58,46 +78,36 @@ def _check_caches(op: str, k_cache, v_cache) -> tuple[int, int, int, int]:
   check_ndim(op, "k_cache", k_cache, 4, "[num_pages, kv_heads, page_size, head_dim]")
   validation.check_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
   validation.check_shape(op, "v_cache", v_cache, tuple(k_cache.shape), "the shape of k_cache")
-  if k_cache.dtype not in COMPUTE_DTYPES + QUANTIZED_DTYPES:
-    raise TypeError(f"{op}: k_cache has dtype {dtype_name(k_cache.dtype)}; a cache is "
-                    f"float32 / bfloat16 (q's dtype) or int8 / float8_e4m3fn (with scales)")
-  num_pages, num_kv_heads, page_size, head_dim = k_cache.shape
-  if min(k_cache.shape) == 0:
-    raise ValueError(f"{op}: k_cache must have no empty dimension, got {tuple(k_cache.shape)}")
-  if page_size % 16 or not 16 <= page_size <= 256:
-    raise ValueError(f"{op}: page_size (k_cache.shape[2]) must be a multiple of 16 in "
-                     f"[16, 256], got {page_size}")
-  return num_pages, num_kv_heads, page_size, head_dim
+  return _check_cache(op, "k_cache", k_cache)
+
+
+def _scale(op: str, name: str, cache: torch.Tensor, s, num_kv_heads: int):
+  """Scale `name` as a float32 [Hkv] tensor for a quantized cache, else None."""
+  if cache.dtype not in QUANTIZED_DTYPES:
+    if s is not None:
+      raise ValueError(f"{op}: {name} is only for int8 / float8_e4m3fn caches; this cache "
+                       f"is {dtype_name(cache.dtype)}")
+    return None
+  if s is None:
+    raise ValueError(f"{op}: the cache is {dtype_name(cache.dtype)} (quantized) and needs "
+                     f"{name}: a Python float, or a float32 tensor of shape () or "
+                     f"({num_kv_heads},) (one per KV head)")
+  if isinstance(s, torch.Tensor):
+    validation.check_float_dtype(op, name, s, (torch.float32,))
+    if s.dim() == 0:
+      s = s.reshape(1).expand(num_kv_heads)
+    validation.check_shape(op, name, s, (num_kv_heads,), "one scale per KV head")
+    return s.contiguous()
+  value = validation.check_finite_number(op, name, s)
+  if value <= 0:
+    raise ValueError(f"{op}: {name} must be > 0, got {value}")
+  return torch.full((num_kv_heads,), value, dtype=torch.float32, device=cache.device)
 
 
 def _scales(op: str, cache: torch.Tensor, k_scale, v_scale, num_kv_heads: int):
   """(k_scale, v_scale) as float32 [Hkv] tensors for a quantized cache, else (None, None)."""
-  quantized = cache.dtype in QUANTIZED_DTYPES
-  if not quantized:
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-      if s is not None:
-        raise ValueError(f"{op}: {name} is only for int8 / float8_e4m3fn caches; this cache "
-                         f"is {dtype_name(cache.dtype)}")
-    return None, None
-  out = []
-  for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-    if s is None:
-      raise ValueError(f"{op}: the cache is {dtype_name(cache.dtype)} (quantized) and needs "
-                       f"{name}: a Python float, or a float32 tensor of shape () or "
-                       f"({num_kv_heads},) (one per KV head)")
-    if isinstance(s, torch.Tensor):
-      validation.check_float_dtype(op, name, s, (torch.float32,))
-      if s.dim() == 0:
-        s = s.reshape(1).expand(num_kv_heads)
-      validation.check_shape(op, name, s, (num_kv_heads,), "one scale per KV head")
-      s = s.contiguous()
-    else:
-      value = validation.check_finite_number(op, name, s)
-      if value <= 0:
-        raise ValueError(f"{op}: {name} must be > 0, got {value}")
-      s = torch.full((num_kv_heads,), value, dtype=torch.float32, device=cache.device)
-    out.append(s)
-  return tuple(out)
+  return tuple(_scale(op, name, cache, s, num_kv_heads)
+               for name, s in (("k_scale", k_scale), ("v_scale", v_scale)))
 
 
 def _optional_int(op: str, name: str, value, minimum: int) -> int:
@@ -251,31 +261,87 @@ def write_kv_cache_(k_cache: torch.Tensor, v_cache: torch.Tensor, new_k: torch.T
   """
   op = "write_kv_cache_"
   num_pages, num_kv_heads, page_size, head_dim = _check_caches(op, k_cache, v_cache)
-  for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-    if not t.is_contiguous():
-      raise ValueError(f"{op}: {name} must be contiguous (it is updated in place)")
-  for name, t in (("new_k", new_k), ("new_v", new_v)):
-    validation.check_tensor(op, name, t)
-    if k_cache.dtype in QUANTIZED_DTYPES:
-      validation.check_float_dtype(op, name, t, COMPUTE_DTYPES)
-    elif t.dtype != k_cache.dtype:
-      raise TypeError(f"{op}: {name} has dtype {dtype_name(t.dtype)}, the cache "
-                      f"{dtype_name(k_cache.dtype)}: new K/V must have the cache's dtype "
-                      f"(no silent casts)")
-  check_ndim(op, "new_k", new_k, 3, "[tokens, kv_heads, head_dim]")
-  num_tokens = new_k.shape[0]
-  validation.check_shape(op, "new_k", new_k, (num_tokens, num_kv_heads, head_dim),
-                         "[tokens, the cache's kv_heads, head_dim]")
-  validation.check_shape(op, "new_v", new_v, tuple(new_k.shape), "the shape of new_k")
-  check_int32(op, "slot_mapping", slot_mapping)
-  validation.check_shape(op, "slot_mapping", slot_mapping, (num_tokens,), "one slot per token")
+  _check_rows_and_slots(op, {"k_cache": k_cache, "v_cache": v_cache},
+                        {"new_k": new_k, "new_v": new_v}, slot_mapping)
   k_scale, v_scale = _scales(op, k_cache, k_scale, v_scale, num_kv_heads)
-  device_type = _shim.device_type_of(op, {
+  _check_slot_values(op, {
       "k_cache": k_cache, "v_cache": v_cache, "new_k": new_k, "new_v": new_v,
-      "slot_mapping": slot_mapping, "k_scale": k_scale, "v_scale": v_scale})
-  if _cpu_checks(device_type):
-    from .tpu_kernels import paged_attention as kernel
-
-    kernel.check_slots(slot_mapping.numpy(), num_pages=num_pages, page_size=page_size)
+      "slot_mapping": slot_mapping, "k_scale": k_scale, "v_scale": v_scale},
+      slot_mapping, num_pages, page_size)
   write_kv_cache_op(k_cache, v_cache, new_k.detach().contiguous(),
                     new_v.detach().contiguous(), slot_mapping.contiguous(), k_scale, v_scale)
+
+
+def write_kv_pages_(cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: torch.Tensor,
+                    *, scale=None) -> None:
+  """write_kv_cache_ for ONE cache tensor, in place: K and V pages that share a buffer.
+
+  For each row t with slot_mapping[t] >= 0: cache[slot // page_size, :, slot % page_size,
+  :] = new_rows[t]; rows with a negative slot (padding) are skipped. Quantized caches
+  store int8: clip(round(x / scale), -127, 127); fp8: clip(x / scale, -448, 448) cast to
+  e4m3fn. Which of two rows with the same slot wins is undefined.
+
+  Why a second write: write_kv_cache_ donates both of its caches to XLA on a TPU, and XLA
+  refuses to donate one buffer twice, so it cannot take one buffer as both caches. A pool
+  that keeps K and V pages in one tensor (Transformers' continuous batching: every layer's
+  K and V pages in one flat buffer) passes the whole pool here once, with the step's K rows
+  and V rows concatenated and each slot pointing at a K or a V page. On a TPU only this
+  one cache is donated (donate_argnums=(0,)); as with write_kv_cache_, the op declares it
+  mutated (correct under torch.compile), and the result is copied into it unless it
+  already came back in its buffer (same storage before and after).
+
+  Args:
+    cache: [num_pages, Hkv, page_size, D], contiguous; float32 / bfloat16, or int8 /
+      float8_e4m3fn with `scale`; page_size a multiple of 16 in [16, 256].
+    new_rows: [T, Hkv, D]: the cache's dtype for a float cache (no silent casts),
+      float32 / bfloat16 for a quantized one.
+    slot_mapping: [T] int32, slot = page_id * page_size + offset_in_page, or < 0 to skip.
+    scale: quantized caches only: a Python float or a float32 tensor of shape () or [Hkv],
+      one for every row of the call (K and V pages with different scales: two calls).
+  """
+  op = "write_kv_pages_"
+  num_pages, num_kv_heads, page_size, head_dim = _check_cache(op, "cache", cache)
+  _check_rows_and_slots(op, {"cache": cache}, {"new_rows": new_rows}, slot_mapping)
+  scale = _scale(op, "scale", cache, scale, num_kv_heads)
+  _check_slot_values(op, {"cache": cache, "new_rows": new_rows, "slot_mapping": slot_mapping,
+                          "scale": scale}, slot_mapping, num_pages, page_size)
+  write_kv_pages_op(cache, new_rows.detach().contiguous(), slot_mapping.contiguous(), scale)
+
+
+def _check_rows_and_slots(op: str, caches: dict, rows: dict, slot_mapping) -> None:
+  """The caches (checked) are contiguous; the rows [T, Hkv, D] fit them (dtype, shape);
+  slot_mapping is [T] int32."""
+  cache = next(iter(caches.values()))
+  _, num_kv_heads, _, head_dim = cache.shape
+  for name, t in caches.items():
+    if not t.is_contiguous():
+      raise ValueError(f"{op}: {name} must be contiguous (it is updated in place)")
+  for name, t in rows.items():
+    validation.check_tensor(op, name, t)
+    if cache.dtype in QUANTIZED_DTYPES:
+      validation.check_float_dtype(op, name, t, COMPUTE_DTYPES)
+    elif t.dtype != cache.dtype:
+      raise TypeError(f"{op}: {name} has dtype {dtype_name(t.dtype)}, the cache "
+                      f"{dtype_name(cache.dtype)}: new K/V must have the cache's dtype "
+                      f"(no silent casts)")
+  (first_name, first), *others = rows.items()
+  check_ndim(op, first_name, first, 3, "[tokens, kv_heads, head_dim]")
+  num_tokens = first.shape[0]
+  validation.check_shape(op, first_name, first, (num_tokens, num_kv_heads, head_dim),
+                         "[tokens, the cache's kv_heads, head_dim]")
+  for name, t in others:
+    validation.check_shape(op, name, t, tuple(first.shape), f"the shape of {first_name}")
+  check_int32(op, "slot_mapping", slot_mapping)
+  validation.check_shape(op, "slot_mapping", slot_mapping, (num_tokens,), "one slot per token")
+
+
+def _check_slot_values(op: str, tensors: dict, slot_mapping, num_pages: int,
+                       page_size: int) -> None:
+  """All tensors on one device; on CPU, every slot is < 0 (skipped) or in the cache."""
+  if _cpu_checks(_shim.device_type_of(op, tensors)):
+    from .tpu_kernels import paged_attention as kernel
+
+    try:
+      kernel.check_slots(slot_mapping.numpy(), num_pages=num_pages, page_size=page_size)
+    except ValueError as e:
+      raise ValueError(f"{op}: {e}") from None

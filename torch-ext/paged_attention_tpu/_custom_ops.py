@@ -7,6 +7,7 @@ Ops, in the namespace of this build (`_ops.NAMESPACE`, unique per kernel and ver
                          block_kv, items_per_call, vmem_limit_bytes, chip_name)
       -> out [T, Hq, D]
   write_kv_cache(k_cache!, v_cache!, new_k, new_v, slot_mapping, k_scale?, v_scale?) -> ()
+  write_kv_pages(cache!, new_rows, slot_mapping, scale?) -> ()
 
 Absent optional tensors travel to JAX as empty (0,) float32 tensors. soft_cap 0.0,
 sliding_window 0, block_q / block_kv / items_per_call / vmem_limit_bytes 0 and chip_name
@@ -20,6 +21,9 @@ torch.no_grad) works and only an actual backward fails, with a message saying wh
 write_kv_cache declares both caches as mutated (`mutates_args`), so torch.compile and
 functionalization order it before the attention that reads them and never drop it. It
 returns nothing: the caller's tensors are the result (same storage before and after).
+write_kv_pages is the same write into ONE cache tensor (declared mutated, donated alone
+on TPU): for K and V pages that share a buffer, which write_kv_cache cannot take (it
+donates both of its caches, and XLA refuses to donate one buffer twice).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ _jax_kernel = _shim.jax_kernels(__package__, add_op_namespace_prefix, cpu_chip=D
 _attention = _jax_kernel("ragged_paged_attention", "ragged_paged_attention_forward")
 # The caches (tensors 0 and 1) are donated to the TPU program: see _jax_functions' docstring.
 _write = _jax_kernel("write_kv_cache", "write_kv_cache", donate_argnums=(0, 1))
+_write_pages = _jax_kernel("write_kv_pages", "write_kv_pages", donate_argnums=(0,))
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -101,11 +106,15 @@ def _write_impl(k_cache: torch.Tensor, v_cache: torch.Tensor, new_k: torch.Tenso
              "slot_mapping": slot_mapping, "k_scale": _or_empty(k_scale, new_k),
              "v_scale": _or_empty(v_scale, new_k)}
   k_out, v_out = _write(tensors)
-  # TPU: with the donation honoured the outputs already live in the caches' buffers
-  # (nothing to copy); CPU: fresh JAX buffers, copied into the caller's tensors.
-  for cache, out in ((k_cache, k_out), (v_cache, v_out)):
-    if out.data_ptr() != cache.data_ptr():
-      cache.copy_(out)
+  _copy_back(k_cache, k_out)
+  _copy_back(v_cache, v_out)
+
+
+def _copy_back(cache: torch.Tensor, out: torch.Tensor) -> None:
+  """TPU: with the donation honoured the output already lives in the cache's buffer
+  (nothing to copy); CPU: a fresh JAX buffer, copied into the caller's tensor."""
+  if out.data_ptr() != cache.data_ptr():
+    cache.copy_(out)
 
 
 def _write_fake(k_cache, v_cache, new_k, new_v, slot_mapping, k_scale, v_scale):
@@ -116,3 +125,22 @@ write_kv_cache_op = _shim.custom_op_once(
     add_op_namespace_prefix("write_kv_cache"), _write_impl,
     mutates_args=("k_cache", "v_cache"),
     setup=lambda op: op.register_fake(_write_fake))
+
+
+# --------------------------------------------------------------------------- write_kv_pages
+
+
+def _write_pages_impl(cache: torch.Tensor, new_rows: torch.Tensor, slot_mapping: torch.Tensor,
+                      scale: torch.Tensor | None) -> None:
+  tensors = {"cache": cache, "new_rows": new_rows, "slot_mapping": slot_mapping,
+             "scale": _or_empty(scale, new_rows)}
+  _copy_back(cache, _write_pages(tensors))
+
+
+def _write_pages_fake(cache, new_rows, slot_mapping, scale):
+  return None
+
+
+write_kv_pages_op = _shim.custom_op_once(
+    add_op_namespace_prefix("write_kv_pages"), _write_pages_impl, mutates_args=("cache",),
+    setup=lambda op: op.register_fake(_write_pages_fake))

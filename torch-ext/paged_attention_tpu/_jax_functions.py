@@ -14,13 +14,16 @@ of the kernels: one compiled program serves every step of a serving loop whose s
 (padded token count, number of sequences, pages per sequence) stay the same.
 
 KV-cache writes and buffer aliasing: the shim builds `write_kv_cache`'s TPU op with
-TorchTPU's `jax_op(..., donate_argnums=(0, 1))` (the op's JaxKernel declares it), so the
-exported program aliases both caches to the outputs (`tf.aliasing_output`) and XLA may
-write the updated caches into the buffers it was given instead of allocating new ones.
-TorchTPU's op declares no mutation (marking it mutable would make torch copy back and
-defeat the donation); the torch op `write_kv_cache` does: it declares both caches
-mutated and, if the outputs do not come back in the caches' own buffers (same
-data_ptr), copies them in. On CPU the shim calls the function inside its own jax.jit
+TorchTPU's `jax_op(..., donate_argnums=(0, 1))` and `write_kv_pages`'s with
+`donate_argnums=(0,)` (each op's JaxKernel declares it), so the exported program aliases
+the cache(s) to the output(s) (`tf.aliasing_output`) and XLA may write the updated caches
+into the buffers it was given instead of allocating new ones. XLA refuses to donate one
+buffer twice, so `write_kv_cache` needs two distinct caches; a pool holding K and V pages
+in one buffer (Transformers' continuous batching) is written with `write_kv_pages`, which
+takes and donates that one buffer. TorchTPU's op declares no mutation (marking it mutable
+would make torch copy back and defeat the donation); the torch ops do: they declare the
+caches mutated and, if an output does not come back in its cache's own buffer (same
+data_ptr), copy it in. On CPU the shim calls the function inside its own jax.jit
 with nothing donated (the inputs are torch's memory, seen through DLPack, and must never
 be handed to XLA to reuse), and the torch op copies the result into the caches.
 """
@@ -66,3 +69,14 @@ def write_kv_cache(k_cache: jax.Array, v_cache: jax.Array, new_k: jax.Array,
   del chip, interpret
   return kernel.write_kv_cache(k_cache, v_cache, new_k, new_v, slot_mapping,
                                k_scale=_opt(k_scale), v_scale=_opt(v_scale))
+
+
+def write_kv_pages(cache: jax.Array, new_rows: jax.Array, slot_mapping: jax.Array,
+                   scale: jax.Array, chip: str, interpret: bool) -> jax.Array:
+  """cache with row t of new_rows written to slot slot_mapping[t] (< 0: skipped).
+
+  One cache (K and V pages may share it); on TPU it is donated (the shim's
+  donate_argnums=(0,)). The same XLA scatter as write_kv_cache's.
+  """
+  del chip, interpret
+  return kernel.write_kv_pages(cache, new_rows, slot_mapping, scale=_opt(scale))

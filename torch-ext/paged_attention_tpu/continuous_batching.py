@@ -9,7 +9,7 @@ what `transformers serve` builds on) with paged-attention-tpu as its attention.
 
 Each forward of the engine packs every scheduled request's new tokens (prefill chunks and
 decode tokens mixed) into one row; every attention layer then makes ONE
-write_kv_cache_ call and ONE ragged_paged_attention call over the engine's own
+write_kv_pages_ call and ONE ragged_paged_attention call over the engine's own
 PagedAttentionCache.
 
 The name. Transformers 5.23's engine accepts only "paged|eager", "sdpa" or a name that
@@ -39,13 +39,14 @@ pages = [num_half_pages, kv_heads, page_size, head_dim] (no copy):
     mapping, page = slot // page_size, and a request's page table is every page_size-th
     entry of its run of `read_index` (or of `write_index` when the step reads no cache:
     all its requests are first prefill chunks);
-  - the write goes through write_kv_cache_ once per layer over the whole buffer (K and V
-    of a layer are different pages of the same tensor, which is passed as both caches, and
-    the step's K and V tokens are packed into one list of 2T writes): the K and V views
-    overlap, so two views written by one call would overwrite each other's new tokens.
-    On a TPU this is expected to fail loudly: write_kv_cache_ donates both caches to XLA,
-    which refuses to donate one buffer twice. The fix belongs in the op (a write that
-    takes one cache tensor); see docs/serving.md.
+  - the write goes through write_kv_pages_ (the one-tensor cache write) once per layer
+    over the whole buffer: K and V of a layer are different pages of the same tensor, and
+    the step's K and V tokens are packed into one list of 2T rows, V's slot K's plus
+    page_size. Not write_kv_cache_ with the layer's K and V views: they overlap, so each
+    view's result would overwrite the other's new tokens; nor with the buffer as both of
+    its caches: on a TPU it donates both to XLA, which refuses to donate one buffer
+    twice. write_kv_pages_ donates the one buffer (see docs/serving.md for what only a
+    TPU can confirm).
 
 Sliding-window layers (gpt-oss, Gemma 2...). The engine keeps their cache as a ring of
 `sliding_window` tokens, written before it is read, and a prefill chunk that crosses the
@@ -145,7 +146,7 @@ def continuous_batching_attention(module: torch.nn.Module, query: torch.Tensor,
   """
   from transformers.generation.continuous_batching import PagedAttentionCache
 
-  from . import ragged_paged_attention, write_kv_cache_
+  from . import ragged_paged_attention, write_kv_pages_
   from ._shim import transformers_masks
 
   # Without this package's mask function, an unsupported mask pattern would go unnoticed.
@@ -211,9 +212,8 @@ def continuous_batching_attention(module: torch.nn.Module, query: torch.Tensor,
   k_slots = torch.full((padded_tokens,), -1, dtype=torch.int64, device=q.device)
   k_slots[:write_rows.shape[0]] = write_rows + first_page * page_size
   v_slots = torch.where(k_slots >= 0, k_slots + page_size, k_slots)
-  pages = _whole_cache_pages(allocator)
-  kv_rows = torch.cat([k, v])
-  write_kv_cache_(pages, pages, kv_rows, kv_rows, torch.cat([k_slots, v_slots]).to(torch.int32))
+  write_kv_pages_(_whole_cache_pages(allocator), torch.cat([k, v]),
+                  torch.cat([k_slots, v_slots]).to(torch.int32))
 
   # Page tables: a step that reads no cache (every request's first chunk) has no
   # read_index, and then each request's KV is exactly its new tokens (cu_kv == cu_q).
