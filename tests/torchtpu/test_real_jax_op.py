@@ -8,7 +8,7 @@ listed by hand) the shim builds the TPU op with the real `torch.tpu.pallas.jax_o
     `interpret` (test_inferred_schema_matches_the_public_op);
   * the public API, called on FakeTensors on device "tpu" in every combination the torch
     layer sends (absent / present bias and scales, int8 / fp8 weights, sinks, segment ids,
-    q_offset as a tensor, page tables, the KV-cache write; forward and backward), runs
+    q_offset as a tensor, page tables, the KV-cache writes; forward and backward), runs
     its own torch layer and the shim into the wheel's fake, which `jax.export`s the kernel
     for platform "tpu" (Mosaic `tpu_custom_call` inside); the outputs and gradients must
     have the shapes and dtypes our own fakes give (test_public_api_through_the_real_jax_op);
@@ -198,6 +198,17 @@ def _write(k, t, *, cache_dtype=torch.bfloat16):
   return caches
 
 
+def _write_pages(k, t, *, cache_dtype=torch.bfloat16):
+  """One cache holding K and V pages (continuous batching's layout): K and V rows in one
+  call."""
+  cache = t((PAGES, HKV, PAGE, D), cache_dtype)
+  quantized = cache_dtype in (torch.int8, torch.float8_e4m3fn)
+  rows = t((16, HKV, D), torch.bfloat16 if quantized else cache_dtype)
+  scale = dict(scale=t((HKV,), torch.float32)) if quantized else {}
+  k.write_kv_pages_(cache, rows, t((16,), torch.int32), **scale)
+  return [cache]
+
+
 CASES = {
     # name: (kernel fixture, case, run the backward too)
     "rms_norm": ("rms", lambda k, t: _rms(k, t, False), True),
@@ -230,6 +241,11 @@ CASES = {
     "write_kv_cache int8": ("paged", lambda k, t: _write(k, t, cache_dtype=torch.int8), False),
     "write_kv_cache fp8": ("paged", lambda k, t: _write(k, t, cache_dtype=torch.float8_e4m3fn),
                            False),
+    "write_kv_pages": ("paged", lambda k, t: _write_pages(k, t), False),
+    "write_kv_pages int8": ("paged", lambda k, t: _write_pages(k, t, cache_dtype=torch.int8),
+                            False),
+    "write_kv_pages fp8": ("paged", lambda k, t: _write_pages(
+        k, t, cache_dtype=torch.float8_e4m3fn), False),
 }
 
 
@@ -268,7 +284,7 @@ def test_public_api_through_the_real_jax_op(name, request, boundary):
     _REACHED.add(qualname)
     assert exported.platforms == ("tpu",)
     text = exported.mlir_module()
-    if kernels[qualname].function != "write_kv_cache":   # an XLA scatter, no Pallas kernel
+    if kernels[qualname].function not in ("write_kv_cache", "write_kv_pages"):   # XLA scatters
       assert "tpu_custom_call" in text, op_name
   # Nothing reached the device boundary: the fake path needs none.
   assert not boundary.calls
@@ -312,6 +328,31 @@ def test_cache_write_donates_the_caches_through_the_real_jax_op(paged, boundary)
   assert main.count("tf.aliasing_output") == 2, main
   assert "%arg0: tensor<16x2x16x128xbf16> {tf.aliasing_output = 0 : i32}" in main
   assert "%arg1: tensor<16x2x16x128xbf16> {tf.aliasing_output = 1 : i32}" in main
+
+
+def test_one_cache_write_donates_the_one_cache_through_the_real_jax_op(paged, boundary):
+  """write_kv_pages's TPU op is built with donate_argnums=(0,): the program jax_op exports
+  aliases the one cache (input 0) to its output and nothing else, and the device call is
+  asked to donate only it. So one buffer holding K and V pages is donated once (XLA
+  refuses a buffer donated twice, which write_kv_cache would ask for if given it as both
+  caches). Real "tpu" tensors here: allocated, never computed on."""
+  write = ops_module_of(paged)._write_pages
+  assert write.donate_argnums == (0,)
+  cache = torch.empty((PAGES, HKV, PAGE, D), dtype=torch.bfloat16, device="tpu")
+  tensors = [cache, torch.empty((16, HKV, D), dtype=torch.bfloat16, device="tpu"),
+             torch.empty((16,), dtype=torch.int32, device="tpu"), torch.empty((0,), device="tpu")]
+  with pytest.raises(RuntimeError, match="needs a TPU"):
+    write._tpu_op(*tensors, chip="v6e", interpret=False)
+  (call,) = boundary.calls
+  assert call["donate_argnums"] == [0]
+  assert call["inputs"][0] is cache                 # no copy
+  (_, _, program), = boundary.registered
+  (_, exported), = boundary.exported
+  assert exported.mlir_module_serialized == program
+  main = next(line for line in exported.mlir_module().splitlines()
+              if "func.func public @main" in line)
+  assert main.count("tf.aliasing_output") == 1, main
+  assert "%arg0: tensor<16x2x16x128xbf16> {tf.aliasing_output = 0 : i32}" in main
 
 
 # ------------------------------------------------------------------------ torch.compile
