@@ -265,6 +265,18 @@ def test_a_gate_near_a_known_one_is_not_mistaken_for_it(ragged):
   _compare(ragged, module, torch.float32, {"out": 1e-4, "grad": 1e-4}, _grouped_mm)
 
 
+def test_a_gate_reading_a_tensor_is_not_fused(ragged):
+  """A limit held as a tensor (it may be trained, and the probe only sees today's value)
+  keeps the gate on the generic route, which follows the tensor."""
+  module = _clamped_module(limit=2.0)
+  module.limit = torch.nn.Parameter(torch.tensor(2.0))
+  assert ragged.experts_plan(module).route == "generic"
+  _compare(ragged, module, torch.float32, {"out": 1e-4, "grad": 1e-4}, _grouped_mm)
+  with torch.no_grad():
+    module.limit.fill_(0.5)
+  _compare(ragged, module, torch.float32, {"out": 1e-4, "grad": 1e-4}, _grouped_mm)
+
+
 # ------------------------------------------------------------------------ generic route
 
 

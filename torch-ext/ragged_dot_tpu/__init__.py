@@ -303,6 +303,9 @@ def _recognise_gate(apply_gate, width: int) -> tuple[str, bool, float, float] | 
   return None
 
 
+# The tensors experts_forward itself reads; any other tensor is the gate's or a norm's.
+_EXPERT_TENSORS = {f"{w}{suffix}" for w in ("gate_up_proj", "up_proj", "down_proj")
+                   for suffix in ("", "_bias", "_scale")}
 _SCALARS = (bool, int, float, str, type(None))
 _CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 # (module class, state key) -> recognised gate or None; the probe runs once per state.
@@ -357,6 +360,13 @@ def experts_plan(module) -> ExpertsPlan:
                                            f"of the kernel's epilogues {SUPPORTED_ACTIVATIONS}")
     # Transformers' default gate chunks [gate | up]: the concatenated layout.
     return ExpertsPlan("fused", activation)
+  # The probe sees a gate's tensors only as they are now, and the cache keys on scalars: a
+  # gate that may read a tensor of the module (a learned limit, say) is never fused.
+  others = [n for n, _ in [*module.named_parameters(), *module.named_buffers()]
+            if n not in _EXPERT_TENSORS]
+  if others:
+    return ExpertsPlan("generic", reason=f"{type(module).__name__}._apply_gate may read the "
+                                         f"module's tensors {others}")
   up_proj = module.gate_up_proj
   width = up_proj.shape[2 if getattr(module, "is_transposed", False) else 1] // 2
   gate = _custom_gate(module, width)
