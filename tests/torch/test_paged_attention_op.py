@@ -230,7 +230,7 @@ def test_write_kv_pages_one_cache_in_place(paged, cache_dtype):
   # bfloat16 rows into the int8 cache; float32 into fp8: XLA divides by the scale as a
   # multiply by its reciprocal (up to 1 ulp off the quotient), so an exact rounding tie,
   # frequent for bfloat16 values at fp8's 3-bit mantissa, may land one fp8 step from
-  # torch's rounding (the shared quantizer of both writes; see write_kv_cache's test).
+  # torch's rounding (a property of the quantizer both writes share, not of this op).
   new_dtype = {torch.int8: torch.bfloat16, torch.float8_e4m3fn: torch.float32}.get(
       cache_dtype, cache_dtype)
   cache = torch.randn(PAGES, HKV, PAGE, D, generator=gen).to(cache_dtype)
