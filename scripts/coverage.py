@@ -337,7 +337,9 @@ def experts_cell(kernels, fam: Family) -> str:
 # ------------------------------------------------------------------------------ the table
 
 # column name -> cell function (kernels, family) -> str. Add attention / norm columns here.
-COLUMNS = {"experts": experts_cell}
+from coverage_attention_norm import attention_cell, norm_cell  # noqa: E402
+
+COLUMNS = {"experts": experts_cell, "attention": attention_cell, "norm": norm_cell}
 
 
 def load_kernels(dist: Path) -> dict:

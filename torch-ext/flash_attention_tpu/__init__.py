@@ -292,6 +292,40 @@ def make_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset
 setattr(make_attention_mask, transformers_masks.MARK, True)   # see check_mask_function
 
 
+# Python module of an attention class -> whether its family declares SDPA or FlashAttention.
+_REDUCED_MASK_FAMILIES: dict = {}
+
+
+def _check_family_takes_reduced_masks(op: str, module: torch.nn.Module) -> None:
+  """Raises NotImplementedError for a Transformers attention class whose family declares
+  neither SDPA nor FlashAttention support (no PreTrainedModel of its modeling module sets
+  _supports_sdpa or _supports_flash_attn). Like those backends, this kernel takes the
+  causal pattern from the module (is_causal) and only padding from the mask; such
+  families rely on the materialized mask instead (BigBird-Pegasus's decoder self-attention
+  is not marked causal: the kernel would let it see the future)."""
+  name = type(module).__module__
+  if not name.startswith("transformers.") or torch.compiler.is_compiling():
+    return
+  supported = _REDUCED_MASK_FAMILIES.get(name)
+  if supported is None:
+    import sys
+
+    from transformers import PreTrainedModel
+
+    models = [v for v in vars(sys.modules[name]).values()
+              if isinstance(v, type) and issubclass(v, PreTrainedModel) and v.__module__ == name]
+    supported = _REDUCED_MASK_FAMILIES[name] = any(
+        getattr(m, "_supports_sdpa", False) or getattr(m, "_supports_flash_attn", False)
+        for m in models)
+  if not supported:
+    raise NotImplementedError(
+        f"{op}: {type(module).__name__}'s family ({name}) declares neither SDPA nor "
+        f"FlashAttention support: its attention layers rely on the materialized mask (for "
+        f"example decoder layers whose module is not marked causal), while this kernel, like "
+        f"those backends, takes the causal pattern from the module and only padding from "
+        f"the mask. Use attn_implementation='eager' for this model")
+
+
 _UNSUPPORTED_KWARGS = {
     "position_bias": "a position bias (T5-style additive logits)",
     "cu_seq_lens_q": "varlen cu_seq_lens (pass position_ids that restart per sequence instead)",
@@ -318,6 +352,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
   """
   op = "attention_forward"
   transformers_masks.check_mask_function(op, module, "register_attention(name)")
+  _check_family_takes_reduced_masks(op, module)
   if dropout:
     raise NotImplementedError(
         f"{op}: attention dropout ({dropout}) is not implemented by the kernel; set the "
