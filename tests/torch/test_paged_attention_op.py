@@ -511,16 +511,6 @@ _BAD_WRITE = [
 ]
 
 
-@pytest.mark.parametrize("what, changes, error, message", _BAD_WRITE,
-                         ids=[b[0] for b in _BAD_WRITE])
-def test_write_bad_input_gives_clear_error(paged, what, changes, error, message):
-  args = _write_ok(**changes)
-  before = args["k_cache"].clone()
-  with pytest.raises(error, match=message):
-    paged.write_kv_cache_(**args)
-  assert torch.equal(_bits(args["k_cache"]), _bits(before))     # nothing written
-
-
 def _write_pages_ok(**changes):
   args = dict(cache=torch.zeros(PAGES, HKV, PAGE, D), new_rows=torch.ones(4, HKV, D),
               slot_mapping=_i32(0, PAGE, -1, PAGES * PAGE - 1))
@@ -564,14 +554,20 @@ _BAD_WRITE_PAGES = [
 ]
 
 
-@pytest.mark.parametrize("what, changes, error, message", _BAD_WRITE_PAGES,
-                         ids=[b[0] for b in _BAD_WRITE_PAGES])
-def test_write_kv_pages_bad_input_gives_clear_error(paged, what, changes, error, message):
-  args = _write_pages_ok(**changes)
-  before = args["cache"].clone()
+# (function, valid arguments, the cache checked for no write, bad case) per case.
+_BAD_WRITES = ([("write_kv_cache_", _write_ok, "k_cache", *b) for b in _BAD_WRITE]
+               + [("write_kv_pages_", _write_pages_ok, "cache", *b) for b in _BAD_WRITE_PAGES])
+
+
+@pytest.mark.parametrize("function, valid, cache, what, changes, error, message", _BAD_WRITES,
+                         ids=[f"{b[0]} {b[3]}" for b in _BAD_WRITES])
+def test_write_bad_input_gives_clear_error(paged, function, valid, cache, what, changes, error,
+                                           message):
+  args = valid(**changes)
+  before = args[cache].clone()
   with pytest.raises(error, match=message):
-    paged.write_kv_pages_(**args)
-  assert torch.equal(_bits(args["cache"]), _bits(before))     # nothing written
+    getattr(paged, function)(**args)
+  assert torch.equal(_bits(args[cache]), _bits(before))     # nothing written
 
 
 def test_every_entry_point_satisfies_jax_op_contract(paged, paged_ops):

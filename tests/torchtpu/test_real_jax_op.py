@@ -303,6 +303,21 @@ def test_cases_reach_every_jax_kernel(request):
 # ------------------------------------------------------------------ the in-place cache write
 
 
+def _device_call_and_exported_main(kernel, tensors, boundary):
+  """Calls a JaxKernel's TPU op on real "tpu" tensors up to the stubbed device call:
+  (the device call's record, the signature line of the exported program's main, which
+  carries its input/output aliasing)."""
+  with pytest.raises(RuntimeError, match="needs a TPU"):
+    kernel._tpu_op(*tensors, chip="v6e", interpret=False)
+  (call,) = boundary.calls
+  (_, _, program), = boundary.registered
+  (_, exported), = boundary.exported
+  assert exported.mlir_module_serialized == program
+  main = next(line for line in exported.mlir_module().splitlines()
+              if "func.func public @main" in line)
+  return call, main
+
+
 def test_cache_write_donates_the_caches_through_the_real_jax_op(paged, boundary):
   """write_kv_cache's TPU op is built with donate_argnums=(0, 1): the program jax_op
   exports aliases both caches to its outputs, and the device call (the stubbed boundary)
@@ -315,16 +330,9 @@ def test_cache_write_donates_the_caches_through_the_real_jax_op(paged, boundary)
              torch.empty((8, HKV, D), dtype=torch.bfloat16, device="tpu"),
              torch.empty((8,), dtype=torch.int32, device="tpu"),
              torch.empty((0,), device="tpu"), torch.empty((0,), device="tpu")]
-  with pytest.raises(RuntimeError, match="needs a TPU"):
-    write._tpu_op(*tensors, chip="v6e", interpret=False)
-  (call,) = boundary.calls
+  call, main = _device_call_and_exported_main(write, tensors, boundary)
   assert call["donate_argnums"] == [0, 1]
   assert call["inputs"][0] is caches[0] and call["inputs"][1] is caches[1]   # no copies
-  (_, _, program), = boundary.registered
-  (_, exported), = boundary.exported
-  assert exported.mlir_module_serialized == program
-  main = next(line for line in exported.mlir_module().splitlines()
-              if "func.func public @main" in line)
   assert main.count("tf.aliasing_output") == 2, main
   assert "%arg0: tensor<16x2x16x128xbf16> {tf.aliasing_output = 0 : i32}" in main
   assert "%arg1: tensor<16x2x16x128xbf16> {tf.aliasing_output = 1 : i32}" in main
@@ -341,16 +349,9 @@ def test_one_cache_write_donates_the_one_cache_through_the_real_jax_op(paged, bo
   cache = torch.empty((PAGES, HKV, PAGE, D), dtype=torch.bfloat16, device="tpu")
   tensors = [cache, torch.empty((16, HKV, D), dtype=torch.bfloat16, device="tpu"),
              torch.empty((16,), dtype=torch.int32, device="tpu"), torch.empty((0,), device="tpu")]
-  with pytest.raises(RuntimeError, match="needs a TPU"):
-    write._tpu_op(*tensors, chip="v6e", interpret=False)
-  (call,) = boundary.calls
+  call, main = _device_call_and_exported_main(write, tensors, boundary)
   assert call["donate_argnums"] == [0]
   assert call["inputs"][0] is cache                 # no copy
-  (_, _, program), = boundary.registered
-  (_, exported), = boundary.exported
-  assert exported.mlir_module_serialized == program
-  main = next(line for line in exported.mlir_module().splitlines()
-              if "func.func public @main" in line)
   assert main.count("tf.aliasing_output") == 1, main
   assert "%arg0: tensor<16x2x16x128xbf16> {tf.aliasing_output = 0 : i32}" in main
 
