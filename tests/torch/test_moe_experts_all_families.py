@@ -330,3 +330,11 @@ def test_generic_route_compiles_fullgraph(ragged):
   torch.testing.assert_close(got, eager, rtol=1e-6, atol=1e-6)
   torch.testing.assert_close(torch.autograd.grad(got.sum(), hidden)[0],
                              torch.autograd.grad(eager.sum(), hidden)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_recognised_gates_are_the_kernels(ragged):
+  """The gates the package recognises (listed there so that importing it does not import
+  jax) are exactly the kernel's gated epilogues."""
+  from tpu_kernels import ragged_dot as kernel
+
+  assert ragged.SUPPORTED_ACTIVATIONS + ragged.PARAMETRIC_GATES == kernel.GATED_ACTIVATIONS
