@@ -41,6 +41,7 @@ ATTENTION_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128,
                       decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
                       n_layer=2, n_head=4, n_embd=64, n_positions=128)
 ATTENTION_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+MAX_PARAMETERS = 5_000_000    # a tiny model has ~0.1M; more means the shrink missed a size
 COVERAGE_ATTENTION = "tpu_attention_coverage"   # registered with a call counter
 _PAD, _SEQ = 3, 12
 
@@ -103,6 +104,11 @@ def tiny_causal_lm(cls: type):
   # Hybrid models (Qwen3.5, Qwen3-Next): one linear and one full attention layer of two.
   kwargs["full_attention_interval"] = 2
   config = config_class(**kwargs)
+  with torch.device("meta"):    # sizes first: a size the shrink missed costs nothing here
+    parameters = sum(p.numel() for p in cls._from_config(config).parameters())
+  if parameters > MAX_PARAMETERS:
+    raise ValueError(f"{parameters:,} parameters after shrinking (a size under a name "
+                     f"ATTENTION_TINY does not know)")
   torch.manual_seed(0)
   return cls._from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
 
@@ -144,6 +150,8 @@ def attention_cell(kernels, fam) -> str:
     return f"crash: {cls.__name__}: {type(e).__name__}: {str(e)[:300]}"
   if not calls:
     return f"not applicable ({cls.__name__}'s attention does not go through the interface)"
+  if tuple(want.shape[:2]) != tuple(valid.shape):
+    return f"not built: {cls.__name__}'s logits {tuple(want.shape)} are not per input token"
   want, got = want[valid].double(), got[valid].double()
   bound = (ATTENTION_TOLERANCE["atol"] * want.abs().max()
            + ATTENTION_TOLERANCE["rtol"] * want.abs())
