@@ -1,0 +1,307 @@
+"""Experts and attention on the kernels under Transformers' own tensor- and expert-parallel
+plans: torch.distributed on gloo across 2 CPU processes equals the single-process model.
+
+Each plan is Transformers' own: the model's `base_model_tp_plan` / `base_model_ep_plan`,
+resolved and applied by `PreTrainedModel.prepare_distribute_model` and
+`maybe_distribute_model` (the two steps `from_pretrained(distributed_config=...)` runs; with
+a DistributedConfig, `from_pretrained` itself also wants `accelerate`, which this project
+does not install, so the model is loaded plainly and then sharded by those two functions).
+Cases (one tiny checkpoint per family, saved by the test and loaded by every process):
+  tp       Qwen3-MoE, DistributedConfig(tp_size=2): attention heads and every expert's
+           intermediate dimension split in two ("colwise" / "rowwise" / "packed_colwise"
+           / "moe_tp_experts").
+  tp_ep    Qwen3-MoE, DistributedConfig(tp_size=2, ep_size=2): the EP plan on the experts
+           (4 of 8 per rank, "grouped_gemm" + "ep_dispatch_experts"), TP on the rest. Both
+           ranks hold the batch, so inference takes AllReduceEP (expert-parallel
+           placeholder ids == num_local_experts with weight 0) and training AllToAllEP.
+  fsdp_ep  gpt-oss (sinks, biases, clamped SwiGLU), DistributedConfig(fsdp_size=2,
+           ep_size=2): the EP plan on the experts (2 of 4 per rank), FSDP2 on the rest
+           (gpt-oss has no TP plan). Both ranks get the same batch.
+Transformers 5.23's deprecated `enable_expert_parallel=True` (documented as ep_size=tp_size,
+tp_plan={}) raises "has no tp_plan" on CPU and GPU alike, so EP without a second axis
+(TP or FSDP) cannot be built: `test_expert_parallel_alone_is_refused_by_transformers`.
+
+Every rank loads the checkpoint with experts_implementation="tpu_ragged_dot" and
+attn_implementation="tpu_attention", and again with "eager" for both, shards it and runs:
+logits without
+gradients, then logits and the gradient of every parameter (DTensor gradients gathered)
+of <logits, direction>. The parent compares both ranks against the single-process model
+loaded from the same checkpoint: the kernel against the kernel, eager against eager (so
+the plan itself is exact here and the kernel comparison means something), f32 within 1e-4
+(|got - ref| <= atol * max|ref| + rtol * |ref|, per tensor; the plans only change the
+order of sums). Each rank also reports its local shard shapes (the plan really split heads
+and experts) and how often the kernels' ops ran.
+
+The two processes run in a network namespace of their own with only loopback up (gloo
+needs TCP; `offline` runs the suite in a namespace whose loopback is down), rendezvous
+through a file:// init_method in tmp_path, and GLOO_SOCKET_IFNAME=lo. The kernels are
+loaded in each process with the real loader (get_kernel, LOCAL_KERNELS from the fixture).
+One launch runs every case, so the start-up (torch, JAX, Transformers) is paid once.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORLD = 2
+EXPERTS_IMPL, ATTN_IMPL = "tpu_ragged_dot", "tpu_attention"
+TOL = dict(rtol=1e-4, atol=1e-4)
+CASES = {  # name -> (family, DistributedConfig arguments)
+  "tp": ("qwen3_moe", dict(tp_size=2)),
+  "tp_ep": ("qwen3_moe", dict(tp_size=2, ep_size=2)),
+  "fsdp_ep": ("gpt_oss", dict(fsdp_size=2, ep_size=2)),
+}
+BATCH, SEQ = 2, 6
+LAUNCH_TIMEOUT_S = 900
+
+
+def _inputs(vocab_size: int):
+  """(input_ids [B, S] int64, direction [B, S, vocab] float32): the same in every process."""
+  import torch
+
+  gen = torch.Generator().manual_seed(1)
+  ids = torch.randint(3, vocab_size, (BATCH, SEQ), generator=gen)
+  return ids, torch.randn(BATCH, SEQ, vocab_size, generator=gen)
+
+
+IMPLEMENTATIONS = {"kernel": (EXPERTS_IMPL, ATTN_IMPL), "eager": ("eager", "eager")}
+
+
+def _load(path: Path, impl: str):
+  """The checkpoint with `impl`'s experts and attention, chosen at load time (on an
+  FSDP-wrapped model, Transformers 5.23's set_experts_implementation silently keeps the
+  old one: it looks for @use_experts_implementation in the source of the FSDP class)."""
+  import torch
+  from transformers import AutoModelForCausalLM
+
+  experts, attention = IMPLEMENTATIONS[impl]
+  return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                              experts_implementation=experts,
+                                              attn_implementation=attention)
+
+
+def _run(model) -> dict:
+  """Logits without gradients, then logits and every parameter's gradient (full tensors)."""
+  import torch
+  from torch.distributed.tensor import DTensor
+
+  ids, direction = _inputs(model.config.vocab_size)
+  with torch.no_grad():
+    inference_logits = model(input_ids=ids).logits
+  model.zero_grad(set_to_none=True)
+  logits = model(input_ids=ids).logits
+  (logits * direction).sum().backward()
+  grads = {}
+  for name, p in model.named_parameters():
+    if p.grad is not None:
+      grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+      grads[name] = grad.detach().clone()
+  return {"inference_logits": inference_logits.detach().clone(),
+          "logits": logits.detach().clone(), "grads": grads}
+
+
+def _local_shapes(model) -> dict:
+  """Each parameter's local shard shape, and the experts modules' num_experts."""
+  from torch.distributed.tensor import DTensor
+
+  shapes = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
+            for n, p in model.named_parameters()}
+  experts = {n: int(m.num_experts) for n, m in model.named_modules()
+             if hasattr(m, "has_gate") and hasattr(m, "num_experts")}
+  return {"shapes": shapes, "num_experts": experts}
+
+
+def _rank_main(rank: int, work: Path, repos: dict) -> None:
+  """One process: join the gloo group, load the kernels, shard and run every case."""
+  import torch
+  import torch.distributed as dist
+
+  torch.set_num_threads(1)
+  dist.init_process_group("gloo", init_method=f"file://{work / 'rendezvous'}", rank=rank,
+                          world_size=WORLD)
+  from kernels import get_kernel
+  from transformers.distributed import DistributedConfig
+  from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+  ragged = get_kernel(repos["ragged"], version=1)
+  flash = get_kernel(repos["flash"], version=1)
+  ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPL, ragged.experts_forward)
+  assert flash.register_attention() == ATTN_IMPL
+  calls = {"experts": 0, "attention": 0}
+  experts_op, attention_op = ragged.experts_op, flash.flash_attention_op
+
+  def counting_experts_op(*args):
+    calls["experts"] += 1
+    return experts_op(*args)
+
+  def counting_attention_op(*args):
+    calls["attention"] += 1
+    return attention_op(*args)
+
+  ragged.experts_op, flash.flash_attention_op = counting_experts_op, counting_attention_op
+  results = {}
+  for case, (family, parallel) in CASES.items():
+    results[case] = {}
+    for impl in IMPLEMENTATIONS:
+      model = _load(work / family, impl)
+      config, _, meshes = type(model).prepare_distribute_model(DistributedConfig(**parallel))
+      model = type(model).maybe_distribute_model(model, config, meshes)
+      calls.update(experts=0, attention=0)
+      results[case][impl] = _run(model) | _local_shapes(model) | {"calls": dict(calls)}
+    dist.barrier()
+  torch.save(results, work / f"rank{rank}.pt")
+  dist.destroy_process_group()
+
+
+def _launch(work: Path, repos: dict) -> None:
+  """Starts the WORLD ranks (this process is already in their network namespace)."""
+  env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+  procs = [subprocess.Popen([sys.executable, __file__, "rank", str(rank), str(work),
+                             json.dumps(repos)], env=env) for rank in range(WORLD)]
+  codes = [p.wait() for p in procs]
+  sys.exit(max(abs(c) for c in codes))
+
+
+def _loopback_only() -> list[str]:
+  """Command prefix giving the ranks a network namespace of their own with only loopback up;
+  empty where namespaces are not permitted (then this namespace's loopback must be up)."""
+  if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0:
+    return ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
+  flags = int(Path("/sys/class/net/lo/flags").read_text(), 16)
+  assert flags & 1, ("gloo needs a loopback interface: lo is down and `unshare -n` is not "
+                     "permitted to make a namespace with one")
+  return []
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  """A directory with one tiny checkpoint per family (random weights, biases and norms)."""
+  import torch
+  from test_moe_experts import _tiny
+
+  work = tmp_path_factory.mktemp("multi_device")
+  for family in sorted({family for family, _ in CASES.values()}):
+    _tiny(family, torch.float32).save_pretrained(work / family)
+  return work
+
+
+@pytest.fixture(scope="module")
+def distributed(checkpoints, local_kernels_env, repo_id):
+  """Runs every case on WORLD ranks: (the checkpoints' directory, [each rank's results])."""
+  import torch
+
+  work = checkpoints
+  repos = {"ragged": repo_id("ragged-dot-tpu"), "flash": repo_id("flash-attention-tpu")}
+  command = [*_loopback_only(), sys.executable, __file__, "launch", str(work),
+             json.dumps(repos)]
+  proc = subprocess.Popen(command, start_new_session=True)
+  try:
+    code = proc.wait(timeout=LAUNCH_TIMEOUT_S)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, 9)
+    raise
+  assert code == 0, f"a rank failed (exit {code}): its traceback is in the captured stderr"
+  return work, [torch.load(work / f"rank{rank}.pt") for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def single_process(distributed, ragged, flash):
+  """{family: {"kernel": ..., "eager": ...}} of the unsharded model in this process."""
+  import torch
+  from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+  ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPL, ragged.experts_forward)
+  assert flash.register_attention() == ATTN_IMPL
+  work, _ = distributed
+  return {family: {impl: _run(_load(work / family, impl)) for impl in IMPLEMENTATIONS}
+          for family in sorted({family for family, _ in CASES.values()})}
+
+
+def _assert_matches(got: dict, want: dict, what: str):
+  import reference_moe as ref
+
+  ref.assert_close(got["inference_logits"], want["inference_logits"],
+                   what=f"{what} logits (no grad)", **TOL)
+  ref.assert_close(got["logits"], want["logits"], what=f"{what} logits", **TOL)
+  assert set(got["grads"]) == set(want["grads"]), what
+  assert any(".experts." in n for n in want["grads"]), "no expert weight got a gradient"
+  for name, grad in want["grads"].items():
+    ref.assert_close(got["grads"][name], grad, what=f"{what} grad {name}", **TOL)
+
+
+def _expected_local_shapes(case: str, config) -> dict:
+  """Layer 0's local shard shapes the case's plan must give each of the 2 ranks."""
+  heads, kv_heads, head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                               config.head_dim)
+  experts, hidden = config.num_local_experts, config.hidden_size
+  inner = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+  prefix = "model.layers.0."
+  if case == "tp":  # heads split; every expert's intermediate dimension split
+    return {prefix + "self_attn.q_proj.weight": (heads // 2 * head_dim, hidden),
+            prefix + "self_attn.k_proj.weight": (kv_heads // 2 * head_dim, hidden),
+            prefix + "self_attn.o_proj.weight": (hidden, heads // 2 * head_dim),
+            prefix + "mlp.experts.gate_up_proj": (experts, inner, hidden),
+            prefix + "mlp.experts.down_proj": (experts, hidden, inner // 2)}
+  # expert parallel: half of the experts, each whole
+  shapes = {prefix + "mlp.experts.gate_up_proj": (experts // 2, 2 * inner, hidden)
+            if case == "tp_ep" else (experts // 2, hidden, 2 * inner),
+            prefix + "mlp.experts.down_proj": (experts // 2, hidden, inner)
+            if case == "tp_ep" else (experts // 2, inner, hidden)}
+  if case == "fsdp_ep":
+    shapes[prefix + "mlp.experts.gate_up_proj_bias"] = (experts // 2, 2 * inner)
+  if case == "tp_ep":
+    shapes[prefix + "self_attn.q_proj.weight"] = (heads // 2 * head_dim, hidden)
+  return shapes
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_plan_on_kernels_equals_single_process(distributed, single_process, case):
+  from transformers import AutoConfig
+
+  work, ranks = distributed
+  family, _ = CASES[case]
+  config = AutoConfig.from_pretrained(work / family)
+  want_experts = config.num_local_experts // (1 if case == "tp" else 2)
+  layers = config.num_hidden_layers
+  # the kernels: each layer once in the forward without grad and once in the one with
+  want_calls = {"kernel": {"experts": 2 * layers, "attention": 2 * layers},
+                "eager": {"experts": 0, "attention": 0}}
+  for rank, results in enumerate(ranks):
+    for impl in IMPLEMENTATIONS:
+      result, what = results[case][impl], f"{case} rank {rank} {impl}"
+      for name, shape in _expected_local_shapes(case, config).items():
+        assert result["shapes"][name] == shape, (what, name, result["shapes"][name])
+      assert set(result["num_experts"].values()) == {want_experts}, (what, result["num_experts"])
+      assert result["calls"] == want_calls[impl], (what, result["calls"])
+      _assert_matches(result, single_process[family][impl], what)
+
+
+def test_expert_parallel_alone_is_refused_by_transformers(checkpoints):
+  """Transformers 5.23 cannot put the EP plan on 2 ranks without a second axis: the
+  deprecated enable_expert_parallel (documented as ep_size=tp_size, tp_plan={}) empties the
+  TP plan and then refuses tp_size=2 for having none; ep_size=2 alone must divide
+  fsdp_size * tp_size = 1. Plan resolution needs no process group: this is the whole
+  reproduction. If a Transformers update lifts it, add the case to CASES."""
+  from transformers import AutoModelForCausalLM
+  from transformers.distributed import DistributedConfig
+
+  model = AutoModelForCausalLM.from_pretrained(checkpoints / "qwen3_moe")
+  with pytest.warns(FutureWarning, match="enable_expert_parallel"):
+    config = DistributedConfig(enable_expert_parallel=True, tp_size=2)
+  assert (config.ep_size, config.tp_plan) == (2, {})
+  with pytest.raises(ValueError, match="`tp_size=2` was requested, but .* has no `tp_plan`"):
+    model._resolve_parallel_plans(config)
+  with pytest.raises(ValueError, match="`ep_size` must divide `fsdp_size \\* tp_size`"):
+    DistributedConfig(ep_size=2)
+
+
+if __name__ == "__main__":
+  mode, *args = sys.argv[1:]
+  if mode == "launch":
+    _launch(Path(args[0]), json.loads(args[1]))
+  else:
+    _rank_main(int(args[0]), Path(args[1]), json.loads(args[2]))
