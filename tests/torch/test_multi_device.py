@@ -30,7 +30,8 @@ loaded from the same checkpoint: the kernel against the kernel, eager against ea
 the plan itself is exact here and the kernel comparison means something), f32 within 1e-4
 (|got - ref| <= atol * max|ref| + rtol * |ref|, per tensor; the plans only change the
 order of sums). Each rank also reports its local shard shapes (the plan really split heads
-and experts) and how often the kernels' ops ran.
+and experts) and what the kernels' ops got: each layer's expert weights as the local shard,
+the attention heads as the rank's share.
 
 The two processes run in a network namespace of their own with only loopback up (gloo
 needs TCP; `offline` runs the suite in a namespace whose loopback is down), rendezvous
@@ -131,15 +132,16 @@ def _rank_main(rank: int, work: Path, repos: dict) -> None:
   flash = get_kernel(repos["flash"], version=1)
   ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPL, ragged.experts_forward)
   assert flash.register_attention() == ATTN_IMPL
-  calls = {"experts": 0, "attention": 0}
+  # what the kernels' ops got: expert weight shapes (gate/up, down), attention heads (q, k)
+  calls = {"experts": [], "attention": []}
   experts_op, attention_op = ragged.experts_op, flash.flash_attention_op
 
   def counting_experts_op(*args):
-    calls["experts"] += 1
+    calls["experts"].append((tuple(args[3].shape), tuple(args[4].shape)))
     return experts_op(*args)
 
   def counting_attention_op(*args):
-    calls["attention"] += 1
+    calls["attention"].append((args[0].shape[1], args[1].shape[1]))
     return attention_op(*args)
 
   ragged.experts_op, flash.flash_attention_op = counting_experts_op, counting_attention_op
@@ -150,7 +152,7 @@ def _rank_main(rank: int, work: Path, repos: dict) -> None:
       model = _load(work / family, impl)
       config, _, meshes = type(model).prepare_distribute_model(DistributedConfig(**parallel))
       model = type(model).maybe_distribute_model(model, config, meshes)
-      calls.update(experts=0, attention=0)
+      calls.update(experts=[], attention=[])
       results[case][impl] = _run(model) | _local_shapes(model) | {"calls": dict(calls)}
     dist.barrier()
   torch.save(results, work / f"rank{rank}.pt")
@@ -267,16 +269,23 @@ def test_plan_on_kernels_equals_single_process(distributed, single_process, case
   config = AutoConfig.from_pretrained(work / family)
   want_experts = config.num_local_experts // (1 if case == "tp" else 2)
   layers = config.num_hidden_layers
-  # the kernels: each layer once in the forward without grad and once in the one with
-  want_calls = {"kernel": {"experts": 2 * layers, "attention": 2 * layers},
-                "eager": {"experts": 0, "attention": 0}}
+  # FSDP gathers the attention weights for compute: TP splits the heads
+  heads = (config.num_attention_heads, config.num_key_value_heads)
+  heads = heads if case == "fsdp_ep" else (heads[0] // 2, heads[1] // 2)
+  experts = "model.layers.0.mlp.experts."
   for rank, results in enumerate(ranks):
     for impl in IMPLEMENTATIONS:
       result, what = results[case][impl], f"{case} rank {rank} {impl}"
+      shapes = result["shapes"]
       for name, shape in _expected_local_shapes(case, config).items():
-        assert result["shapes"][name] == shape, (what, name, result["shapes"][name])
+        assert shapes[name] == shape, (what, name, shapes[name])
       assert set(result["num_experts"].values()) == {want_experts}, (what, result["num_experts"])
-      assert result["calls"] == want_calls[impl], (what, result["calls"])
+      # the kernels ran on the local shards: each layer once in the forward without grad
+      # and once in the one with; eager never calls them
+      weights = (shapes[experts + "gate_up_proj"], shapes[experts + "down_proj"])
+      want_calls = {"experts": [weights] * 2 * layers, "attention": [heads] * 2 * layers}
+      assert result["calls"] == (want_calls if impl == "kernel" else
+                                 {"experts": [], "attention": []}), (what, result["calls"])
       _assert_matches(result, single_process[family][impl], what)
 
 
