@@ -44,6 +44,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -123,7 +125,7 @@ def _rank_main(rank: int, work: Path, repos: dict) -> None:
 
   torch.set_num_threads(1)
   dist.init_process_group("gloo", init_method=f"file://{work / 'rendezvous'}", rank=rank,
-                          world_size=WORLD)
+                          world_size=WORLD, timeout=timedelta(minutes=5))
   from kernels import get_kernel
   from transformers.distributed import DistributedConfig
   from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -159,22 +161,45 @@ def _rank_main(rank: int, work: Path, repos: dict) -> None:
   dist.destroy_process_group()
 
 
+def _loopback(set_up: bool = False) -> bool:
+  """Whether lo is up in this process's network namespace (ioctl SIOCGIFFLAGS: /sys shows
+  the namespace sysfs was mounted in); with set_up, sets IFF_UP first if it is down (what
+  `ip link set lo up` does; a fresh namespace's lo is down)."""
+  import fcntl
+  import socket
+  import struct
+
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+    flags = struct.unpack("16sH", fcntl.ioctl(sock, 0x8913, struct.pack("16sH", b"lo", 0))[:18])[1]
+    if set_up and not flags & 1:
+      fcntl.ioctl(sock, 0x8914, struct.pack("16sH", b"lo", flags | 1))
+      return _loopback()
+    return bool(flags & 1)
+
+
 def _launch(work: Path, repos: dict) -> None:
   """Starts the WORLD ranks (this process is already in their network namespace)."""
+  assert _loopback(set_up=True), "could not set the loopback interface up"
   env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
   procs = [subprocess.Popen([sys.executable, __file__, "rank", str(rank), str(work),
                              json.dumps(repos)], env=env) for rank in range(WORLD)]
-  codes = [p.wait() for p in procs]
-  sys.exit(max(abs(c) for c in codes))
+  # A rank that fails leaves the other waiting in a collective: end it at once.
+  while any(p.poll() is None for p in procs):
+    if any(p.returncode for p in procs):
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+    time.sleep(0.2)
+  sys.exit(max(abs(p.returncode) for p in procs))
 
 
 def _loopback_only() -> list[str]:
-  """Command prefix giving the ranks a network namespace of their own with only loopback up;
-  empty where namespaces are not permitted (then this namespace's loopback must be up)."""
+  """Command prefix giving the ranks a network namespace of their own (the launcher sets
+  its loopback up, the only interface it has); empty where namespaces are not permitted
+  (then this namespace's loopback must be up)."""
   if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0:
-    return ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
-  flags = int(Path("/sys/class/net/lo/flags").read_text(), 16)
-  assert flags & 1, ("gloo needs a loopback interface: lo is down and `unshare -n` is not "
+    return ["unshare", "-n"]
+  assert _loopback(), ("gloo needs a loopback interface: lo is down and `unshare -n` is not "
                      "permitted to make a namespace with one")
   return []
 
