@@ -190,3 +190,24 @@ def test_serving_attention_without_its_mask_function_raises(paged):
   with pytest.raises(NotImplementedError, match="materialized"):
     paged.make_attention_mask(1, 8, 8, mask_function=mu.causal_mask_function,
                               allow_is_causal_skip=False)
+
+
+def test_sliding_window_from_the_mask_when_the_layer_passes_none(registered):
+  """Phi-MoE builds sliding-window masks (window 8 < 12 tokens here) but passes no
+  sliding_window to the attention call: the window travels with the mask function's
+  tensor (also without padding, where it carries no padding). It was computed as full
+  causal attention before (logits 0.6 off eager, no error)."""
+  import coverage_attention_norm as columns
+  from transformers.models.phimoe.modeling_phimoe import PhimoeForCausalLM
+
+  model = columns.tiny_causal_lm(PhimoeForCausalLM)
+  assert model.config.sliding_window == 8
+  ids, mask = _batch(seq=12)
+  for kwargs, valid in (({}, torch.ones_like(mask, dtype=torch.bool)),
+                        ({"attention_mask": mask}, mask.bool())):
+    with torch.no_grad():
+      model.set_attn_implementation("eager")
+      want = model(input_ids=ids, **kwargs).logits
+      model.set_attn_implementation(registered.DEFAULT_ATTENTION_NAME)
+      got = model(input_ids=ids, **kwargs).logits
+    ref.assert_close(got[valid], want[valid], TOL, what=f"logits {list(kwargs)}")

@@ -11,6 +11,8 @@ table is the script's thorough mode):
                    (its decoder self-attention is not marked causal: the kernel would see
                    the future; before this refusal the cell read "differs", logits 0.73 off)
   falcon           attention not applicable: not through Transformers' AttentionInterface
+  phimoe           attention matches: its sliding window comes from the mask (the layers
+                   pass none; before, the cell read "differs", logits 0.9 off)
 
 The cells judge the kernel against Transformers' eager attention and each norm class's
 own forward (tolerances in the module's docstring).
@@ -43,6 +45,7 @@ EXPECTED = {
                         "not applicable"),
     "falcon": ("not applicable (FalconForCausalLM's attention does not go through",
                "not applicable"),
+    "phimoe": ("matches", "not applicable"),
 }
 
 

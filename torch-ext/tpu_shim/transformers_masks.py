@@ -32,12 +32,14 @@ class MaskPattern:
   """kind: "causal", "sliding", "chunked", "bidirectional" or "other".
 
   packed: int32-able [B, S] packed-sequence index when position_ids restart inside a row
-  (Transformers' packed-sequence wrapper), else None. chunk_size / left_padding [B]:
-  Transformers' chunked_overlay (Llama 4), for kind "chunked". name: the innermost mask
-  function's qualified name (for error messages)."""
+  (Transformers' packed-sequence wrapper), else None. sliding_window: the window of kind
+  "sliding" (a key is visible from q if q - window < k <= q). chunk_size / left_padding
+  [B]: Transformers' chunked_overlay (Llama 4), for kind "chunked". name: the innermost
+  mask function's qualified name (for error messages)."""
 
   kind: str
   packed: torch.Tensor | None = None
+  sliding_window: int | None = None
   chunk_size: int | None = None
   left_padding: torch.Tensor | None = None
   name: str = ""
@@ -81,7 +83,8 @@ def mask_pattern(mask_function) -> MaskPattern:
   if parts is not None and len(parts) == 2 and parts[1] is causal:
     overlay = qualname(parts[0])
     if overlay == "sliding_window_overlay.<locals>.inner_mask":
-      return MaskPattern("sliding", packed, name=name)
+      return MaskPattern("sliding", packed, name=name,
+                         sliding_window=int(_closure(parts[0])["sliding_window"]))
     if overlay == "chunked_overlay.<locals>.inner_mask":
       chunk = _closure(parts[0])
       return MaskPattern("chunked", packed, chunk_size=int(chunk["chunk_size"]),
