@@ -181,7 +181,8 @@ def test_serving_attention_without_its_mask_function_raises(paged):
   # the rest.
   assert paged.make_attention_mask(1, 8, 8, mask_function=mu.causal_mask_function) is None
   window = mu.sliding_window_causal_mask_function(4)
-  assert paged.make_attention_mask(1, 8, 8, mask_function=window) is None
+  tagged = paged.make_attention_mask(1, 8, 8, mask_function=window)
+  assert tagged.shape == (1, 0) and getattr(tagged, "tpu_kernels_mask_window") == 4
   for pattern in (mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)),
                   mu.bidirectional_mask_function,
                   mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: q >= 0)):

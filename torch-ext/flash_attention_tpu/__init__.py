@@ -266,7 +266,7 @@ def make_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset
         "kernel takes no arbitrary mask. Use attn_implementation='eager' or 'sdpa' for this "
         "model")
   if packed is not None:
-    return _tagged(packed.to(torch.int32), pattern, padding=True)
+    return transformers_masks.tag(packed.to(torch.int32), pattern, padding=True)
   if attention_mask is not None:
     if attention_mask.dim() != 2:
       raise NotImplementedError(f"flash-attention-tpu: expected a 2-D padding mask, got shape "
@@ -285,36 +285,18 @@ def make_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset
                           rounding_mode="floor").to(torch.int32)
     if attention_mask is not None:
       chunk_ids = chunk_ids.masked_fill(~attention_mask, -1)
-    return _tagged(chunk_ids.expand(batch_size, kv_length).contiguous(), pattern, padding=True)
+    return transformers_masks.tag(chunk_ids.expand(batch_size, kv_length).contiguous(), pattern, padding=True)
   if attention_mask is None and pattern.kind == "sliding" and not torch.compiler.is_compiling():
     # A sliding-window mask is never None: its tensor carries the window to the attention
     # call (some models pass no sliding_window to it and rely on the mask: Phi-MoE).
     device = kwargs.get("device") or (pattern.packed.device if pattern.packed is not None
                                       else "cpu")
-    return _tagged(torch.ones(batch_size, kv_length, dtype=torch.bool, device=device),
+    return transformers_masks.tag(torch.ones(batch_size, kv_length, dtype=torch.bool, device=device),
                    pattern, padding=False)
-  return None if attention_mask is None else _tagged(attention_mask, pattern, padding=True)
+  return None if attention_mask is None else transformers_masks.tag(attention_mask, pattern, padding=True)
 
 
 setattr(make_attention_mask, transformers_masks.MARK, True)   # see check_mask_function
-
-# Attributes of the tensors make_attention_mask returns: the sliding window of the
-# model's mask pattern (None for causal, chunked and bidirectional ones), and whether the
-# tensor holds padding (False: an all-valid mask made only to carry the window).
-_MASK_WINDOW = "flash_attention_tpu_window"
-_MASK_HAS_PADDING = "flash_attention_tpu_padding"
-
-
-def _tagged(mask: torch.Tensor, pattern: transformers_masks.MaskPattern, *,
-            padding: bool) -> torch.Tensor:
-  # torch.compile does not carry attributes set on a tensor it traces: no tags there (the
-  # attention call then takes the window from its sliding_window argument).
-  if torch.compiler.is_compiling():
-    return mask
-  setattr(mask, _MASK_WINDOW, pattern.sliding_window)
-  setattr(mask, _MASK_HAS_PADDING, padding)
-  return mask
-
 
 # Python module of an attention class -> whether its family declares SDPA or FlashAttention.
 _REDUCED_MASK_FAMILIES: dict = {}
@@ -391,12 +373,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
   if kwargs.get("output_attentions", False):
     warnings.warn(f"{op}: the kernel returns no attention weights (output_attentions); use "
                   f"attn_implementation='eager' to get them", stacklevel=2)
-  if (isinstance(attention_mask, torch.Tensor) and not torch.compiler.is_compiling()
-      and hasattr(attention_mask, _MASK_WINDOW)):
+  mask_tags = transformers_masks.tags(attention_mask)
+  if mask_tags is not None:
     # The mask's window is the model's pattern (what eager and SDPA apply); a layer's
     # sliding_window argument may be missing (Phi-MoE passes none) or disagree.
-    sliding_window = getattr(attention_mask, _MASK_WINDOW)
-    if not getattr(attention_mask, _MASK_HAS_PADDING):
+    sliding_window, has_padding = mask_tags
+    if not has_padding:
       attention_mask = None
   if is_causal is None:
     is_causal = bool(getattr(module, "is_causal", True))

@@ -42,7 +42,9 @@ def make_attention_mask(batch_size: int = 1, q_length: int = 0, kv_length: int =
   """Transformers mask function (AttentionMaskInterface): no mask. The attention computes
   its own causal (and sliding-window) visibility from the paging metadata, so any other
   pattern the model asks for (chunked, bidirectional, or/and overlays such as image
-  tokens, a causal mask to materialize and add to) raises NotImplementedError."""
+  tokens, a causal mask to materialize and add to) raises NotImplementedError. A
+  sliding-window pattern returns an empty [B, 0] tensor tagged with its window
+  (transformers_masks.tag), which the attention applies."""
   if mask_function is None:
     return None
   pattern = transformers_masks.mask_pattern(mask_function)
@@ -60,6 +62,10 @@ def make_attention_mask(batch_size: int = 1, q_length: int = 0, kv_length: int =
         "paged-attention-tpu serving: the model asks for its causal mask materialized "
         "(allow_is_causal_skip=False) to add to it or read it itself; the paged attention "
         "takes no mask")
+  if pattern.kind == "sliding" and not torch.compiler.is_compiling():
+    # The window travels with the mask: some models pass no sliding_window (Phi-MoE).
+    empty = torch.zeros(batch_size, 0, dtype=torch.bool, device=kwargs.get("device", "cpu"))
+    return transformers_masks.tag(empty, pattern, padding=False)
   return None
 
 
@@ -107,6 +113,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                                                       torch.float8_e4m3fn):
     raise TypeError(f"{op}: the model computes in {k.dtype}, the cache holds "
                     f"{cache.k[layer].dtype}: allocate the cache in the model's dtype")
+  mask_tags = transformers_masks.tags(attention_mask)
+  if mask_tags is not None:
+    sliding_window = mask_tags[0]     # the model's mask pattern (make_attention_mask)
   sinks = s_aux
   if sinks is not None and sinks.dtype not in (torch.float32, query.dtype):
     sinks = sinks.float()
