@@ -25,7 +25,8 @@ cannot be built (`test_expert_parallel_alone_is_refused_by_transformers`).
 Every rank loads the checkpoint with experts_implementation="tpu_ragged_dot" and
 attn_implementation="tpu_attention", and again with "eager" for both, shards it and runs:
 logits without gradients, then logits and the gradient of every parameter (DTensor
-gradients gathered) of <logits, direction>. The parent compares both ranks against the single-process model
+gradients gathered) of <logits, direction>, on a left-padded batch (so the kernel's mask
+function runs under the plans too; padding positions' logits are not compared). The parent compares both ranks against the single-process model
 loaded from the same checkpoint: the kernel against the kernel, eager against eager (so
 the plan itself is exact here and the kernel comparison means something), f32 within 1e-4
 (|got - ref| <= atol * max|ref| + rtol * |ref|, per tensor; the plans only change the
@@ -59,17 +60,22 @@ CASES = {  # name -> (family, DistributedConfig arguments)
   "tp_ep": ("qwen3_moe", dict(tp_size=2, ep_size=2)),
   "fsdp_ep": ("gpt_oss", dict(fsdp_size=2, ep_size=2)),
 }
-BATCH, SEQ = 2, 6
+BATCH, SEQ, PAD = 2, 6, 2  # PAD: left padding of the second row
 LAUNCH_TIMEOUT_S = 900
 
 
 def _inputs(vocab_size: int):
-  """(input_ids [B, S] int64, direction [B, S, vocab] float32): the same in every process."""
+  """(input_ids [B, S] int64, attention_mask [B, S] int64, direction [B, S, vocab] float32,
+  zero at the padding): a left-padded batch, the same in every process."""
   import torch
 
   gen = torch.Generator().manual_seed(1)
   ids = torch.randint(3, vocab_size, (BATCH, SEQ), generator=gen)
-  return ids, torch.randn(BATCH, SEQ, vocab_size, generator=gen)
+  mask = torch.ones(BATCH, SEQ, dtype=torch.int64)
+  mask[1, :PAD] = 0
+  ids[1, :PAD] = 0
+  direction = torch.randn(BATCH, SEQ, vocab_size, generator=gen) * mask[..., None]
+  return ids, mask, direction
 
 
 def _load(path: Path, impl: str):
@@ -90,19 +96,21 @@ def _run(model) -> dict:
   import torch
   from torch.distributed.tensor import DTensor
 
-  ids, direction = _inputs(model.config.vocab_size)
+  ids, mask, direction = _inputs(model.config.vocab_size)
   with torch.no_grad():
-    inference_logits = model(input_ids=ids).logits
+    inference_logits = model(input_ids=ids, attention_mask=mask).logits
   model.zero_grad(set_to_none=True)
-  logits = model(input_ids=ids).logits
+  logits = model(input_ids=ids, attention_mask=mask).logits
   (logits * direction).sum().backward()
   grads = {}
   for name, p in model.named_parameters():
     if p.grad is not None:
       grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
       grads[name] = grad.detach().clone()
-  return {"inference_logits": inference_logits.detach().clone(),
-          "logits": logits.detach().clone(), "grads": grads}
+  # logits at the padding positions: garbage that nothing reads
+  valid = mask.bool()
+  return {"inference_logits": inference_logits[valid].detach().clone(),
+          "logits": logits[valid].detach().clone(), "grads": grads}
 
 
 def _local_shapes(model) -> dict:
