@@ -26,13 +26,15 @@ Every rank loads the checkpoint with experts_implementation="tpu_ragged_dot" and
 attn_implementation="tpu_attention", and again with "eager" for both, shards it and runs:
 logits without gradients, then logits and the gradient of every parameter (DTensor
 gradients gathered) of <logits, direction>, on a left-padded batch (so the kernel's mask
-function runs under the plans too; padding positions' logits are not compared). The parent compares both ranks against the single-process model
-loaded from the same checkpoint: the kernel against the kernel, eager against eager (so
-the plan itself is exact here and the kernel comparison means something), f32 within 1e-4
-(|got - ref| <= atol * max|ref| + rtol * |ref|, per tensor; the plans only change the
-order of sums: observed <= 1e-6 of max|ref| for every tensor, kernel and eager). Each rank also reports its local shard shapes (the plan really split heads
-and experts) and what the kernels' ops got: each layer's expert weights as the local shard,
-the attention heads as the rank's share.
+function runs under the plans too; padding positions' logits are not compared). The
+parent compares both ranks against the single-process model loaded from the same
+checkpoint: the kernel against the kernel, eager against eager (so the plan itself is
+exact here and the kernel comparison means something), f32 within 1e-4 (|got - ref| <=
+atol * max|ref| + rtol * |ref|, per tensor; the plans only change the order of sums:
+observed <= 1e-6 of max|ref| for every tensor, kernel and eager). Each rank also reports
+its local shard shapes (the plan really split heads and experts) and what the kernels'
+ops got: each layer's expert weights as the local shard, the attention heads as the
+rank's share.
 
 The two processes run in a network namespace of their own with only loopback up (gloo
 needs TCP; `offline` runs the suite in a namespace whose loopback is down), rendezvous
@@ -206,7 +208,7 @@ def _loopback_only() -> list[str]:
   if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0:
     return ["unshare", "-n"]
   assert _loopback(), ("gloo needs a loopback interface: lo is down and `unshare -n` is not "
-                     "permitted to make a namespace with one")
+                       "permitted to make a namespace with one")
   return []
 
 
@@ -242,15 +244,13 @@ def distributed(checkpoints, local_kernels_env, repo_id):
 
 
 @pytest.fixture(scope="module")
-def single_process(distributed, ragged, flash):
+def single_process(checkpoints, ragged, flash):
   """{family: {"kernel": ..., "eager": ...}} of the unsharded model in this process."""
-  import torch
   from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
   ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPL, ragged.experts_forward)
   assert flash.register_attention() == ATTN_IMPL
-  work, _ = distributed
-  return {family: {impl: _run(_load(work / family, impl)) for impl in IMPLEMENTATIONS}
+  return {family: {impl: _run(_load(checkpoints / family, impl)) for impl in IMPLEMENTATIONS}
           for family in sorted({family for family, _ in CASES.values()})}
 
 
