@@ -212,3 +212,21 @@ def test_sliding_window_from_the_mask_when_the_layer_passes_none(registered):
       model.set_attn_implementation(registered.DEFAULT_ATTENTION_NAME)
       got = model(input_ids=ids, **kwargs).logits
     ref.assert_close(got[valid], want[valid], TOL, what=f"logits {list(kwargs)}")
+
+
+def test_bidirectional_from_the_mask_when_the_module_says_causal(registered):
+  """A decoder-only model with config.is_causal = False gets bidirectional masks from
+  Transformers while its attention modules stay is_causal = True: the kernel follows the
+  mask (as eager does), with and without padding. It attended causally before (logits
+  1.2 off eager, no error)."""
+  model = ti.tiny_attention_model("llama", torch.float32, num_hidden_layers=1)
+  model.config.is_causal = False
+  ids, mask = _batch()
+  for kwargs, valid in (({}, torch.ones_like(mask, dtype=torch.bool)),
+                        ({"attention_mask": mask}, mask.bool())):
+    with torch.no_grad():
+      model.set_attn_implementation("eager")
+      want = model(input_ids=ids, **kwargs).logits
+      model.set_attn_implementation(registered.DEFAULT_ATTENTION_NAME)
+      got = model(input_ids=ids, **kwargs).logits
+    ref.assert_close(got[valid], want[valid], TOL, what=f"logits {list(kwargs)}")

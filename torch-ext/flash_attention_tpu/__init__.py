@@ -188,9 +188,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 # model's mask to what the kernel computes itself, and refuses any pattern it cannot
 # reproduce:
 #   * causal or sliding-window causal patterns (or bidirectional ones, for encoders):
-#     the attention call applies them from its own is_causal / sliding_window arguments;
-#   * padding: a bool [B, Skv] mask of the valid keys (None without a 2-D mask); the
-#     attention call turns it into segment ids (keys: 1 valid / 0 padding, queries: 1);
+#     the kernel applies them itself (causal, sliding_window). Every tensor the mask
+#     function returns carries its pattern (transformers_masks.tag: window, causal), and
+#     the attention call takes them from it rather than from its own sliding_window /
+#     is_causal arguments, which some models leave out (Phi-MoE's window) or contradict
+#     (config.is_causal=False under causal modules); a plain causal pattern without
+#     padding returns None and the call uses the module's is_causal, as SDPA does;
+#   * padding: a bool [B, Skv] mask of the valid keys (sliding and bidirectional patterns
+#     without a 2-D mask: all valid, tagged as no padding); the attention call turns real
+#     padding into segment ids (keys: 1 valid / 0 padding, queries: 1);
 #   * packed sequences (position_ids restarting inside a row, no 2-D mask): the packed
 #     sequence index, an int32 [B, S] tensor, becomes the segment ids;
 #   * chunked attention (Llama 4): causal within fixed-size chunks counted from each row's
@@ -233,9 +239,10 @@ def make_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset
                         attention_mask: torch.Tensor | None = None, **kwargs):
   """Transformers mask function (AttentionMaskInterface) for `attention_forward`.
 
-  Returns None (no padding), a bool [B, kv_length] mask of the valid keys, int32 [B, S]
-  packed-sequence ids, or int32 [B, kv_length] chunk ids (chunked attention; padding -1);
-  raises NotImplementedError for patterns the kernel cannot compute.
+  Returns None (a causal pattern, no padding), a bool [B, kv_length] mask of the valid
+  keys, int32 [B, S] packed-sequence ids, or int32 [B, kv_length] chunk ids (chunked
+  attention; padding -1), each tagged with its pattern (transformers_masks.tag); raises
+  NotImplementedError for patterns the kernel cannot compute.
   """
   from transformers import masking_utils
 
@@ -285,15 +292,18 @@ def make_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset
                           rounding_mode="floor").to(torch.int32)
     if attention_mask is not None:
       chunk_ids = chunk_ids.masked_fill(~attention_mask, -1)
-    return transformers_masks.tag(chunk_ids.expand(batch_size, kv_length).contiguous(), pattern, padding=True)
-  if attention_mask is None and pattern.kind == "sliding" and not torch.compiler.is_compiling():
-    # A sliding-window mask is never None: its tensor carries the window to the attention
-    # call (some models pass no sliding_window to it and rely on the mask: Phi-MoE).
-    device = kwargs.get("device") or (pattern.packed.device if pattern.packed is not None
-                                      else "cpu")
-    return transformers_masks.tag(torch.ones(batch_size, kv_length, dtype=torch.bool, device=device),
-                   pattern, padding=False)
-  return None if attention_mask is None else transformers_masks.tag(attention_mask, pattern, padding=True)
+    chunk_ids = chunk_ids.expand(batch_size, kv_length).contiguous()
+    return transformers_masks.tag(chunk_ids, pattern, padding=True)
+  if attention_mask is not None:
+    return transformers_masks.tag(attention_mask, pattern, padding=True)
+  if pattern.kind in ("sliding", "bidirectional") and not torch.compiler.is_compiling():
+    # Never None: the tensor carries the window and the causality to the attention call
+    # (some models pass no sliding_window (Phi-MoE), or ask for bidirectional attention in
+    # layers whose module says causal (config.is_causal=False)). Tagged as no padding: no
+    # segment ids.
+    valid = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
+    return transformers_masks.tag(valid, pattern, padding=False)
+  return None
 
 
 setattr(make_attention_mask, transformers_masks.MARK, True)   # see check_mask_function
@@ -375,9 +385,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                   f"attn_implementation='eager' to get them", stacklevel=2)
   mask_tags = transformers_masks.tags(attention_mask)
   if mask_tags is not None:
-    # The mask's window is the model's pattern (what eager and SDPA apply); a layer's
-    # sliding_window argument may be missing (Phi-MoE passes none) or disagree.
-    sliding_window, has_padding = mask_tags
+    # The mask's pattern is the model's (what eager and SDPA with a mask apply); a layer's
+    # sliding_window or is_causal may be missing (Phi-MoE passes no window) or disagree.
+    sliding_window, is_causal, has_padding = mask_tags
     if not has_padding:
       attention_mask = None
   if is_causal is None:

@@ -3,7 +3,7 @@ functions (flash-attention-tpu, paged-attention-tpu's serving loop).
 
     mask_pattern(mask_function) -> MaskPattern(kind, packed, sliding_window, ...)
     check_mask_function(op, module, register_hint)
-    tag(mask, pattern, padding=...) / tags(mask) -> (sliding_window, padding) or None
+    tag(mask, pattern, padding=...) / tags(mask) -> (sliding_window, causal, padding)
 
 Transformers describes each forward's mask as a mask function (masking_utils: causal,
 sliding-window and chunked overlays, packed-sequence wrappers) and hands it to the mask
@@ -124,27 +124,32 @@ def check_mask_function(op: str, module: torch.nn.Module, register_hint: str) ->
 
 
 # Attributes of the tensors a package's mask function returns: the sliding window of the
-# model's mask pattern (None for causal, chunked and bidirectional ones), and whether the
-# tensor holds padding (False: made only to carry the window). Some models build
-# sliding-window masks but pass no sliding_window to the attention call (Phi-MoE): the
-# window must travel with the mask.
+# model's mask pattern (None for causal, chunked and bidirectional ones), whether the
+# pattern is causal (all but bidirectional), and whether the tensor holds padding (False:
+# made only to carry the rest). Some models build sliding-window masks but pass no
+# sliding_window to the attention call (Phi-MoE), or build bidirectional masks for layers
+# whose module says causal (config.is_causal=False): the pattern must travel with the mask.
 _WINDOW = "tpu_kernels_mask_window"
+_CAUSAL = "tpu_kernels_mask_causal"
 _HAS_PADDING = "tpu_kernels_mask_padding"
 
 
 def tag(mask: torch.Tensor, pattern: MaskPattern, *, padding: bool) -> torch.Tensor:
-  """mask with the pattern's window (and whether it holds padding) attached; unchanged
-  under torch.compile, which does not carry attributes set on a tensor it traces."""
+  """mask with the pattern (window, causal) and whether it holds padding attached;
+  unchanged under torch.compile, which does not carry attributes set on a tensor it
+  traces."""
   if not torch.compiler.is_compiling():
     setattr(mask, _WINDOW, pattern.sliding_window)
+    setattr(mask, _CAUSAL, pattern.kind != "bidirectional")
     setattr(mask, _HAS_PADDING, padding)
   return mask
 
 
-def tags(mask) -> tuple[int | None, bool] | None:
-  """(sliding_window, holds padding) of a tensor `tag` marked, else None (also under
-  torch.compile: the attention call then takes the window from its argument)."""
+def tags(mask) -> tuple[int | None, bool, bool] | None:
+  """(sliding_window, causal, holds padding) of a tensor `tag` marked, else None (also
+  under torch.compile: the attention call then takes the pattern from its arguments and
+  module)."""
   if (not isinstance(mask, torch.Tensor) or torch.compiler.is_compiling()
       or not hasattr(mask, _WINDOW)):
     return None
-  return getattr(mask, _WINDOW), getattr(mask, _HAS_PADDING)
+  return getattr(mask, _WINDOW), getattr(mask, _CAUSAL), getattr(mask, _HAS_PADDING)
