@@ -126,6 +126,8 @@ def test_test_mapping_follows_build_toml_and_names():
   cases = {
       "tests/jax/test_rms_norm_kernel.py": [("rms-norm-tpu", "property")],
       "tests/torch/test_rms_norm_op.py": [("rms-norm-tpu", "property")],
+      "tests/torch/test_rms_norm_all_families.py": [("rms-norm-tpu", "property")],
+      "tests/jax/test_flash_attention_diffusers_aot.py": [("flash-attention-tpu", "aot")],
       "tests/jax/test_aot_compile.py": [("rms-norm-tpu", "aot")],
       "tests/jax/test_ragged_dot_aot.py": [("ragged-dot-tpu", "aot")],
       "tests/torch/test_moe_experts.py": [("ragged-dot-tpu", "property")],
@@ -145,11 +147,15 @@ def test_test_mapping_follows_build_toml_and_names():
   for rel, expected in cases.items():
     assert release.kernel_of_test_path(ROOT / rel, manifest) == expected, rel
   files = release.test_files("rms-norm-tpu", manifest)
-  assert files == {"property": ["tests/jax/test_rms_norm_kernel.py", "tests/torch/test_rms_norm_op.py"],
+  assert files == {"property": ["tests/jax/test_rms_norm_kernel.py",
+                                "tests/torch/test_rms_norm_all_families.py",
+                                "tests/torch/test_rms_norm_op.py"],
                    "aot": ["tests/jax/test_aot_compile.py"]}
+  extra_aot = {"flash-attention-tpu": ["tests/jax/test_flash_attention_diffusers_aot.py"]}
   for name in ("ragged-dot-tpu", "flash-attention-tpu"):
     files = release.test_files(name, manifest)
-    assert files["aot"] == [f"tests/jax/test_{release.stem(name, manifest)}_aot.py"]
+    assert files["aot"] == sorted([f"tests/jax/test_{release.stem(name, manifest)}_aot.py",
+                                   *extra_aot.get(name, [])])
     assert f"tests/torch/test_{release.stem(name, manifest)}_op.py" in files["property"]
 
 
