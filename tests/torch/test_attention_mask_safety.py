@@ -204,14 +204,7 @@ def test_sliding_window_from_the_mask_when_the_layer_passes_none(registered):
   model = columns.tiny_causal_lm(PhimoeForCausalLM)
   assert model.config.sliding_window == 8
   ids, mask = _batch(seq=12)
-  for kwargs, valid in (({}, torch.ones_like(mask, dtype=torch.bool)),
-                        ({"attention_mask": mask}, mask.bool())):
-    with torch.no_grad():
-      model.set_attn_implementation("eager")
-      want = model(input_ids=ids, **kwargs).logits
-      model.set_attn_implementation(registered.DEFAULT_ATTENTION_NAME)
-      got = model(input_ids=ids, **kwargs).logits
-    ref.assert_close(got[valid], want[valid], TOL, what=f"logits {list(kwargs)}")
+  _equals_eager_with_and_without_padding(model, ids, mask, registered)
 
 
 def test_bidirectional_from_the_mask_when_the_module_says_causal(registered):
@@ -222,6 +215,11 @@ def test_bidirectional_from_the_mask_when_the_module_says_causal(registered):
   model = ti.tiny_attention_model("llama", torch.float32, num_hidden_layers=1)
   model.config.is_causal = False
   ids, mask = _batch()
+  _equals_eager_with_and_without_padding(model, ids, mask, registered)
+
+
+def _equals_eager_with_and_without_padding(model, ids, mask, registered):
+  """The kernel's logits equal eager's on every valid token, unpadded and left-padded."""
   for kwargs, valid in (({}, torch.ones_like(mask, dtype=torch.bool)),
                         ({"attention_mask": mask}, mask.bool())):
     with torch.no_grad():
