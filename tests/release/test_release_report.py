@@ -1,9 +1,10 @@
 """The pytest plugin that writes test reports, on real pytest runs, and the gate reading them.
 
-The runs collect small stand-in test files named like the real ones
-(tests/jax/test_rms_norm_kernel.py, tests/jax/test_aot_compile.py,
-tests/torch/test_rms_norm_op.py), so the plugin maps them to rms-norm-tpu exactly as it
-maps the real files, without paying for the real kernels' tests.
+The runs collect small stand-in test files named like the real ones (one for each file
+the gate lists for rms-norm-tpu: tests/jax/test_rms_norm_kernel.py,
+tests/jax/test_aot_compile.py, tests/torch/test_rms_norm_op.py, ...), so the plugin maps
+them to rms-norm-tpu exactly as it maps the real files, without paying for the real
+kernels' tests.
 """
 
 import json
@@ -43,15 +44,23 @@ def test_op():
 """
 
 
+# rms-norm-tpu's test files as the gate lists them from the real tree: a stand-in for each.
+RMS_FILES = release.test_files("rms-norm-tpu", release.load_manifest())
+OP_FILE = "tests/torch/test_rms_norm_op.py"          # the one SKIP_OP skips
+AOT_FILE = "tests/jax/test_aot_compile.py"           # the one FAIL_CHIP fails
+assert OP_FILE in RMS_FILES["property"] and RMS_FILES["aot"] == [AOT_FILE]
+# Items the stand-ins hold: 2 per kernel-test file, 1 op test, 2 chips + 1 chip-less AOT test.
+ITEMS = 2 * (len(RMS_FILES["property"]) - 1) + 1 + 3
+
+
 def _tree(tmp_path, chips=("v5e", "v6e")):
-  tests = tmp_path / "suite" / "tests"
-  (tests / "jax").mkdir(parents=True)
-  (tests / "torch").mkdir()
-  (tests / "jax" / "test_rms_norm_kernel.py").write_text(KERNEL_TEST)
-  (tests / "jax" / "test_aot_compile.py").write_text(AOT_TEST.format(chips=list(chips)))
-  (tests / "torch" / "test_rms_norm_op.py").write_text(OP_TEST)
-  (tests / "jax" / "test_unrelated.py").write_text("def test_x():\n  pass\n")
-  return tests
+  suite = tmp_path / "suite"
+  for rel in RMS_FILES["property"]:
+    (suite / rel).parent.mkdir(parents=True, exist_ok=True)
+    (suite / rel).write_text(OP_TEST if rel == OP_FILE else KERNEL_TEST)
+  (suite / AOT_FILE).write_text(AOT_TEST.format(chips=list(chips)))
+  (suite / "tests" / "jax" / "test_unrelated.py").write_text("def test_x():\n  pass\n")
+  return suite / "tests"
 
 
 def _pytest(tmp_path, tests, *args, **env):
@@ -77,11 +86,10 @@ def test_plugin_records_every_item_and_the_gate_passes(tmp_path):
   assert report["key"] == {"source_hash": release.source_hash("rms-norm-tpu", manifest),
                            "tests_hash": release.tests_hash("rms-norm-tpu", manifest)}
   items = report["items"]
-  assert len(items) == 6 and all(i["outcome"] == "passed" for i in items.values())
+  assert len(items) == ITEMS and all(i["outcome"] == "passed" for i in items.values())
   chips = {i["chip"] for i in items.values() if i["kind"] == "aot"}
   assert chips == {"v5e", "v6e", None}
-  assert {i["file"] for i in items.values()} == {
-      "tests/jax/test_rms_norm_kernel.py", "tests/jax/test_aot_compile.py", "tests/torch/test_rms_norm_op.py"}
+  assert {i["file"] for i in items.values()} == {*RMS_FILES["property"], AOT_FILE}
   gate = _gate(reports)
   assert gate.ok, gate.problems
   assert gate.summary["aot:v5e"] == 1 and gate.summary["aot:v6e"] == 1
@@ -132,7 +140,7 @@ def test_missing_and_stale_reports_block(tmp_path):
   # and the plugin starts over instead of merging into a report of other sources
   result, reports = _pytest(tmp_path, tests, "-k", "property")
   report = json.loads(path.read_text())
-  assert set(i["file"] for i in report["items"].values()) == {"tests/jax/test_rms_norm_kernel.py"}
+  assert set(i["file"] for i in report["items"].values()) == set(RMS_FILES["property"]) - {OP_FILE}
 
 
 def test_the_real_conftest_registers_the_plugin():
