@@ -95,6 +95,10 @@ FEATURE_CONFIGS = {c.name: c for c in (
            sinks=True),
     Config("MQA", FEATURE_SEQ, q_heads=16, kv_heads=1),
     Config("f32", FEATURE_SEQ, dtype="float32"),
+    # DeepSeek-V3's multi-head latent attention in prefill / training: q and k head_dim
+    # 192, v 128, 128 heads. flash-attention-tpu zero-pads v to 192 (its one head_dim), so
+    # the program the kernel runs is this one.
+    Config("DeepSeek-V3 MLA", FEATURE_SEQ, head_dim=192, q_heads=128, kv_heads=128),
 )}
 
 

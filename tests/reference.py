@@ -420,9 +420,9 @@ def attention_grads(q, k, v, grad_out, *, causal=False, sm_scale=None, sliding_w
   dq = r["scale"] * (du @ r["k"])
   dk = r["scale"] * (np.swapaxes(du, -1, -2) @ r["q"])
   dv = np.swapaxes(p, -1, -2) @ g
-  batch, num_q_heads, kv_len, head_dim = dk.shape
+  batch, num_q_heads, kv_len, _ = dk.shape        # dv's head_dim may differ from dk's
   fold = lambda a: a.reshape(batch, num_q_heads // r["group"], r["group"], kv_len,
-                             head_dim).sum(axis=2)
+                             a.shape[-1]).sum(axis=2)
   dsinks = None
   if sinks is not None:
     dsinks = -np.sum(r["p_sink"][..., None] * (d_row - gl), axis=(0, 2, 3))

@@ -6,7 +6,9 @@ The matrix (scripts/flash_attention_cases.py), bf16, B = 1, torch layout [B, H, 
     and 80;
   * features at S = 8192, one program each: everything on (D 128, 32 / 8, causal,
     sliding_window=4096, soft_cap=50.0, sinks, a (q, kv) segment-id pair); gpt-oss-like
-    (D 64, 64 / 8, causal, sliding_window=128, sinks); MQA (16 / 1); the default in f32.
+    (D 64, 64 / 8, causal, sliding_window=128, sinks); MQA (16 / 1); the default in f32;
+    DeepSeek-V3's MLA (128 / 128 heads of 192: its value head_dim 128 zero-padded to the
+    query's, as flash-attention-tpu runs it).
 
 Every program is the backward: jax.grad of 0.5 * sum(out^2) w.r.t. q, k, v (and sinks).
 The loss needs the output, so each program holds the forward kernel, the very

@@ -173,6 +173,29 @@ def test_model_matches_eager_forward_and_backward(registered, op_calls, family, 
       assert torch.equal(kv_seg, mask.to(torch.int32)) and bool((q_seg == 1).all())
 
 
+def test_mla_value_head_dim_matches_eager(registered, op_calls):
+  """DeepSeek-V3's multi-head latent attention: query / key head_dim 24 (16 no-rope + 8
+  rope) and value head_dim 16, like the real 192 / 128. The kernel runs them zero-padded
+  to one head_dim; logits and every gradient equal eager's on a left-padded batch."""
+  import transformers as tr
+
+  config = tr.DeepseekV3Config(
+      vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+      q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+      v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+      first_k_dense_replace=2, max_position_embeddings=64, pad_token_id=0)
+  torch.manual_seed(0)
+  model = tr.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+  ids, mask, direction = _inputs(True)
+  want = _run(model, "eager", ids, mask, direction)
+  got = _run(model, IMPL, ids, mask, direction)
+  _compare_f32(got, want, mask.bool())
+  q, k, v = op_calls["forward"][0][:3]
+  assert q.shape[-1] == k.shape[-1] == v.shape[-1] == 24      # v padded for the kernel
+  assert len(op_calls["forward"]) == len(op_calls["backward"]) == 2
+
+
 def test_packed_sequences_match_eager(registered, op_calls):
   """position_ids restarting inside a row (packed sequences, no mask, no cache: training):
   Transformers' packed-sequence detection becomes the kernel's segment ids."""

@@ -57,6 +57,12 @@ CASES = {
     "all_features_bf16": dict(h=(4, 2), s=(32, 32), d=16, causal=True, window=11,
                               soft_cap=2.0, sinks=True, segments="one", dtype="bfloat16",
                               lse_grad=True),
+    # A value head_dim unlike the key's (MLA: DeepSeek-V3's 192 / 128 in small; and wider,
+    # as MiMo-V2-Flash): the narrower side is zero-padded for the kernel.
+    "mla_v_narrower_causal_f32": dict(h=(4, 2), s=(40, 40), d=24, dv=16, causal=True,
+                                      lse_grad=True),
+    "v_wider_sinks_bf16": dict(h=(2, 1), s=(24, 24), d=16, dv=32, causal=True, sinks=True,
+                               dtype="bfloat16"),
 }
 
 
@@ -68,7 +74,8 @@ def _case_inputs(case, seed=0):
   def leaf(*shape, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype).requires_grad_()
 
-  q, k, v = leaf(batch, hq, sq, d), leaf(batch, hkv, skv, d), leaf(batch, hkv, skv, d)
+  q, k = leaf(batch, hq, sq, d), leaf(batch, hkv, skv, d)
+  v = leaf(batch, hkv, skv, case.get("dv", d))
   sinks = None
   if case.get("sinks"):
     sinks = (torch.randn(hq, generator=gen) + 1.0).to(dtype).requires_grad_()
@@ -107,7 +114,7 @@ def test_forward_and_backward_match_reference(flash, name):
   q, k, v, sinks, segment_ids = _case_inputs(case)
   kwargs = _kwargs(case, sinks, segment_ids)
   out, lse = flash.flash_attention(q, k, v, return_lse=True, **kwargs)
-  assert out.shape == q.shape and out.dtype == q.dtype
+  assert out.shape == (*q.shape[:3], v.shape[3]) and out.dtype == q.dtype
   assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
 
   gen = torch.Generator().manual_seed(1)

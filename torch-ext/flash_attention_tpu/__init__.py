@@ -98,7 +98,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 
   Args:
     q: [B, Hq, Sq, D] float32 / bfloat16 (the SDPA layout).
-    k, v: [B, Hkv, Skv, D] in q's dtype; Hq a multiple of Hkv.
+    k: [B, Hkv, Skv, D] in q's dtype; Hq a multiple of Hkv.
+    v: [B, Hkv, Skv, Dv] in q's dtype; Dv may differ from D (MLA: DeepSeek-V3's 192 / 128,
+      MiMo-V2-Flash): see "Value head_dim" below.
     causal: key j visible from query i only if j <= q_offset + i.
     sm_scale: logit scale, default 1 / sqrt(D).
     sliding_window: None or int >= 1: key j visible only if q_offset + i - j <
@@ -116,8 +118,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
       kernel's folded grid, with no skipped steps (one more compile at most).
     return_lse: also return the log-sum-exp lse [B, Hq, Sq] float32.
   Returns:
-    out [B, Hq, Sq, D] in q's dtype, or (out, lse). Differentiable in q, k, v and sinks
+    out [B, Hq, Sq, Dv] in q's dtype, or (out, lse). Differentiable in q, k, v and sinks
     (through out and lse).
+
+  Value head_dim. The kernel takes one head_dim for q, k and v, so when Dv != D the
+  narrower side is zero-padded to max(D, Dv) on the way in: zero channels of q and k add
+  nothing to any q.k (sm_scale stays 1 / sqrt(D) of the real D), and zero channels of v
+  give output channels that are sliced off. Exact, forward and backward (the padding's
+  gradient is dropped); the cost is the padded tensors' extra bytes and the MXU work of
+  the wider head: Dv = 128 under D = 192 moves v and the output at 1.5x.
   """
   op = "flash_attention"
   for name, t in (("q", q), ("k", k), ("v", v)):
@@ -127,12 +136,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
   validation.check_same_dtype(op, "v", v, "q", q)
   check_ndim(op, "q", q, 4, "[batch, q_heads, q_len, head_dim]")
   check_ndim(op, "k", k, 4, "[batch, kv_heads, kv_len, head_dim]")
-  validation.check_shape(op, "v", v, tuple(k.shape), "the shape of k")
+  check_ndim(op, "v", v, 4, "[batch, kv_heads, kv_len, v_head_dim]")
+  validation.check_shape(op, "v", v, (*k.shape[:3], v.shape[3]),
+                         "k's batch, heads and length, any head_dim")
   batch, num_q_heads, q_len, head_dim = q.shape
   num_kv_heads, kv_len = k.shape[1], k.shape[2]
-  if min(q.shape) == 0 or min(k.shape) == 0:
-    raise ValueError(f"{op}: q and k must have no empty dimension, got q {tuple(q.shape)}, "
-                     f"k {tuple(k.shape)}")
+  if min(q.shape) == 0 or min(k.shape) == 0 or v.shape[3] == 0:
+    raise ValueError(f"{op}: q, k and v must have no empty dimension, got q {tuple(q.shape)}, "
+                     f"k {tuple(k.shape)}, v {tuple(v.shape)}")
   if k.shape[0] != batch or k.shape[3] != head_dim:
     raise ValueError(f"{op}: k {tuple(k.shape)} must have q's batch ({batch}) and head_dim "
                      f"({head_dim}); q is {tuple(q.shape)}")
@@ -174,8 +185,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
   # The int 0 (not a tensor, not a SymInt) is known now: causal self-attention may then
   # run on the kernel's folded grid (one grid step per visited tile).
   zero_offset = type(q_offset) is int and q_offset == 0
+  v_head_dim = v.shape[3]
+  width = max(head_dim, v_head_dim)      # one head_dim for the kernel (docstring)
+  q, k, v = (torch.nn.functional.pad(t, (0, width - t.shape[3])) if t.shape[3] < width else t
+             for t in (q, k, v))
   out, lse = flash_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), sinks, q_seg,
                                 kv_seg, offset, causal, sm_scale, window, cap, zero_offset)
+  if v_head_dim < width:
+    out = out[..., :v_head_dim]
   return (out, lse) if return_lse else out
 
 
