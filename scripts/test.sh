@@ -7,7 +7,8 @@
 #   leg 2: .venv-jax012 (Python 3.12, jax 0.12.0.1, libtpu 0.0.50.1): the JAX-only tests (tests/jax)
 #   leg 3: .venv-torchtpu (Python 3.11, the real torch-tpu 0.2.0 wheel, never autoloaded):
 #          tests/torchtpu, every op through TorchTPU's jax_op up to the device call; the
-#          programs it exports are compiled for v5e / v6e by .venv-jax012's libtpu
+#          programs it exports are compiled for v5e / v6e by .venv-jax012's libtpu. Then,
+#          on .venv, tests/torch/test_clean_exit.py (which 1b leaves out)
 # 1a, 1b and leg 2 go at the same time, and leg 3 once leg 2 is done: each run is mostly one
 # busy core and this machine has two, so no core idles while the longest run finishes (as it
 # did when leg 1 was one run), and no more than three runs share them.
@@ -64,21 +65,33 @@ after() {  # after PID CMD...: run CMD once process PID has ended
 }
 
 echo "== leg 2 started in the background: Python 3.12, jax 0.12.0.1, libtpu 0.0.50.1 (tests/jax)"
-echo "   then leg 3: Python 3.11, torch-tpu 0.2.0 (tests/torchtpu)"
+echo "   then leg 3: Python 3.11, torch-tpu 0.2.0 (tests/torchtpu), and the exit check on .venv"
 HYPOTHESIS_PROFILE=$leg2_profile background leg2 offline .venv-jax012/bin/python -m pytest \
   tests/jax -k "$leg2_select" --durations=15 \
   --junitxml=build-reports/junit-leg2.xml "$@"
 leg2_pid=$!
 # Leg 3 waits for leg 2 (the shortest of the long runs) so that three runs, not four, share
 # the two cores (`after`: a background run cannot `wait` for its sibling, so it polls).
-background leg3 after "$leg2_pid" offline .venv-torchtpu/bin/python -m pytest tests/torchtpu --durations=15 \
-  --junitxml=build-reports/junit-leg3.xml "$@"
+# It also takes the exit check (tests/torch/test_clean_exit.py, on .venv: 30 fresh
+# interpreters, 778 s of leg 1b under load on 2026-12-04), which fits in the time leg 2
+# leaves before 1a ends.
+exit_check=tests/torch/test_clean_exit.py
+leg3() {  # tests/torchtpu on the real wheel, then the exit check; fails if either fails
+  offline .venv-torchtpu/bin/python -m pytest tests/torchtpu --durations=15 \
+    --junitxml=build-reports/junit-leg3.xml "$@"
+  local torchtpu=$?
+  offline .venv/bin/python -m pytest "$exit_check" --durations=5 \
+    --junitxml=build-reports/junit-leg3-exit.xml "$@"
+  local exits=$?
+  return $(( torchtpu != 0 || exits != 0 ))
+}
+background leg3 after "$leg2_pid" leg3 "$@"
 leg3_pid=$!
 leg1b_files=(tests/jax/test_aot_compile.py tests/jax/test_paged_attention_aot.py
              tests/torch tests/release)
 echo "== leg 1b started in the background: Python 3.11, torch 2.13.0 (${leg1b_files[*]})"
-background leg1b offline .venv/bin/python -m pytest "${leg1b_files[@]}" --durations=15 \
-  --junitxml=build-reports/junit-leg1b.xml "$@"
+background leg1b offline .venv/bin/python -m pytest "${leg1b_files[@]}" --ignore="$exit_check" \
+  --durations=15 --junitxml=build-reports/junit-leg1b.xml "$@"
 leg1b_pid=$!
 trap 'kill $leg2_pid $leg1b_pid $leg3_pid 2>/dev/null' EXIT
 
@@ -99,7 +112,7 @@ echo "== leg 1b: Python 3.11, torch 2.13.0 (${leg1b_files[*]}), its output:"
 cat build-reports/test-leg1b.log
 echo "== leg 2: Python 3.12, jax 0.12.0.1, libtpu 0.0.50.1 (tests/jax), its output:"
 cat build-reports/test-leg2.log
-echo "== leg 3: Python 3.11, torch-tpu 0.2.0 (tests/torchtpu), its output:"
+echo "== leg 3: Python 3.11, torch-tpu 0.2.0 (tests/torchtpu), then $exit_check, its output:"
 cat build-reports/test-leg3.log
 echo "== runs: 1a=$leg1a 1b=$leg1b leg2=$leg2 leg3=$leg3 (0 = passed); all done after $(( SECONDS - start )) s"
 exit $(( leg1a != 0 || leg1b != 0 || leg2 != 0 || leg3 != 0 ))
