@@ -593,10 +593,11 @@ def test_every_entry_point_satisfies_jax_op_contract(paged, paged_ops):
     assert all(a is jax.Array for a in returned), kernel.function
 
 
-def test_tpu_branch_aliases_or_copies(paged, paged_ops, monkeypatch):
-  """On "tpu" tensors (TorchTPU stand-in: no TPU here) the write op passes the caches
-  themselves to jax_op; when the outputs come back in the caches' buffers (the donation
-  honoured) nothing is copied, otherwise the outputs are copied into the caches."""
+def _write_probe(monkeypatch, paged, paged_ops, attr):
+  """The TorchTPU stand-in (no TPU here) with a jax_op whose op, while aliased["on"], writes
+  1.0, 2.0, ... into the donated caches in place (what an aliased kernel does) and returns
+  them, else returns fresh tensors of 3.0, 4.0, ...; paged_ops.<attr> becomes a probe
+  JaxKernel of the same function. Returns (calls, dispatch, aliased)."""
   import sys
 
   from torch_tpu_stand_in import install_fake_torch_tpu
@@ -609,18 +610,25 @@ def test_tpu_branch_aliases_or_copies(paged, paged_ops, monkeypatch):
 
     def op(*tensors, **kwargs):
       calls["op"].append((qualname, tensors, kwargs))
-      k_cache, v_cache, new_k = tensors[:3]
-      if aliased["on"]:
-        k_cache.fill_(1.0)      # what an aliased kernel does: write into the buffer
-        v_cache.fill_(2.0)
-        return k_cache, v_cache
-      return torch.full_like(k_cache, 3.0), torch.full_like(v_cache, 4.0)
+      caches = [tensors[i] for i in donate_argnums]
+      outs = [c.fill_(1.0 + i) if aliased["on"] else torch.full_like(c, 3.0 + i)
+              for i, c in enumerate(caches)]
+      return tuple(outs) if len(outs) > 1 else outs[0]
     return op
 
   monkeypatch.setattr(sys.modules["torch.tpu.pallas"], "jax_op", jax_op)
-  monkeypatch.setattr(paged_ops, "_write", dispatch.JaxKernel(
-      paged_ops._write.qualname + "_probe", paged_ops._write.module, paged_ops._write.function,
-      cpu_chip="v6e", donate_argnums=paged_ops._write.donate_argnums))
+  kernel = getattr(paged_ops, attr)
+  monkeypatch.setattr(paged_ops, attr, dispatch.JaxKernel(
+      kernel.qualname + "_probe", kernel.module, kernel.function, cpu_chip="v6e",
+      donate_argnums=kernel.donate_argnums))
+  return calls, dispatch, aliased
+
+
+def test_tpu_branch_aliases_or_copies(paged, paged_ops, monkeypatch):
+  """On "tpu" tensors (TorchTPU stand-in: no TPU here) the write op passes the caches
+  themselves to jax_op; when the outputs come back in the caches' buffers (the donation
+  honoured) nothing is copied, otherwise the outputs are copied into the caches."""
+  calls, dispatch, aliased = _write_probe(monkeypatch, paged, paged_ops, "_write")
   try:
     args = _write_ok()
     k_cache, v_cache = args["k_cache"], args["v_cache"]
@@ -644,28 +652,7 @@ def test_tpu_branch_one_cache_aliases_or_copies(paged, paged_ops, monkeypatch):
   """write_kv_pages_ on "tpu" tensors (TorchTPU stand-in): its jax_op is built with only
   the cache donated, is passed the cache itself, and the result is copied into the cache
   only when it does not come back in the cache's buffer."""
-  import sys
-
-  from torch_tpu_stand_in import install_fake_torch_tpu
-
-  calls, dispatch = install_fake_torch_tpu(monkeypatch, paged)
-  aliased = {"on": True}
-
-  def jax_op(qualname, fn, donate_argnums=None):
-    calls["jax_op"].append((qualname, fn, donate_argnums))
-
-    def op(*tensors, **kwargs):
-      calls["op"].append((qualname, tensors, kwargs))
-      if aliased["on"]:
-        return tensors[0].fill_(1.0)    # what an aliased kernel does: write into the buffer
-      return torch.full_like(tensors[0], 3.0)
-    return op
-
-  monkeypatch.setattr(sys.modules["torch.tpu.pallas"], "jax_op", jax_op)
-  write = paged_ops._write_pages
-  monkeypatch.setattr(paged_ops, "_write_pages", dispatch.JaxKernel(
-      write.qualname + "_probe", write.module, write.function, cpu_chip="v6e",
-      donate_argnums=write.donate_argnums))
+  calls, dispatch, aliased = _write_probe(monkeypatch, paged, paged_ops, "_write_pages")
   try:
     args = _write_pages_ok()
     cache = args["cache"]
