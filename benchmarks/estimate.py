@@ -216,7 +216,7 @@ def implementations(quick: bool, cases=None, with_anchors: bool = True,
   """What a run rates: ours, XLA's and (unless quick or not with_anchors) the anchors, for
   the cases whose name contains one of `cases` and, if `names` is given, only the
   implementations whose name contains one of `names`."""
-  chosen = QUICK if quick else headline.HEADLINE
+  chosen = QUICK if quick else headline.ALL_CASES
   if cases:
     chosen = [c for c in chosen if any(s in c.name for s in cases)]
   out = [impl for case in chosen for impl in ours_and_xla(case)]

@@ -155,9 +155,19 @@ HEADLINE = (
 )
 
 
+# Cases rated beside the headline (estimate.py rates every one of ALL_CASES; the front page
+# and wallclock.py quote HEADLINE). One tuple per question, each with its own case class:
+DIFFUSION_ATTENTION: tuple = ()   # non-causal joint text+image attention (Diffusers, issue 30)
+QUANTIZED_DECODE: tuple = ()      # int8 / fp8 expert weights at decode (issue 28)
+EXPERTS_LAYER: tuple = ()         # the whole experts op as one program (issue 28)
+SERVING_PAGED: tuple = ()         # paged attention at serving page sizes and batches (issue 28)
+
+ALL_CASES = HEADLINE + DIFFUSION_ATTENTION + QUANTIZED_DECODE + EXPERTS_LAYER + SERVING_PAGED
+
+
 def by_name(name: str):
-  """The headline case called `name` (KeyError naming the known ones otherwise)."""
-  for case in HEADLINE:
+  """The case of ALL_CASES called `name` (KeyError naming the known ones otherwise)."""
+  for case in ALL_CASES:
     if case.name == name:
       return case
-  raise KeyError(f"no headline case {name!r}; known: {[c.name for c in HEADLINE]}")
+  raise KeyError(f"no case {name!r}; known: {[c.name for c in ALL_CASES]}")
