@@ -637,31 +637,82 @@ def _causal_rows(nq_rows: int, nk: int, first_row: int = 0) -> tuple[int, int]:
   return run, nq_rows * nk
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionAnchor:
-  seq: int
-  kind: str                 # "flash" or "splash"
-  block: int = 128          # block_q = block_k(v) (both anchors' defaults: 128)
+class _AttentionCase:
+  """What the attention anchors share: the case they rate (the causal headline case of
+  length `seq`, or `joint`, a non-causal headline.JointAttention), and the length their
+  kernels run at. jax's flash and splash and tokamax all need a block multiple, so a
+  caller pads S to `padded_seq` and the anchor is rated on the padded full grid: the
+  padded rows and keys count as work, the mask that would hide the padded keys (one
+  partial kv block a row) is not rated (a lower bound on their cost), and the pad / slice
+  copies' bytes are counted (`pad_copy_bytes`, as for ours)."""
 
   @property
   def case(self):
-    return headline.Attention(self.seq)
+    return self.joint if self.joint is not None else headline.Attention(self.seq)
 
   @property
-  def key(self) -> str:
-    return f"attn:{self.kind}:{self.seq}:{self.block}"
+  def causal(self) -> bool:
+    return self.case.causal
 
   @property
-  def implementation(self) -> str:
-    b = self.block
-    if self.kind == "flash":
-      return (f"jax flash_attention (jax {_jax().__version__}, blocks q/k_major/k "
-              f"{b}/{b}/{b}, k/v repeated to 32 heads)")
-    return f"jax splash attention MHA-GQA (jax {_jax().__version__}, block_q/kv {b}/{b})"
+  def padded_seq(self) -> int:
+    return -(-self.case.seq // self.block) * self.block
 
   @property
   def nq(self) -> int:
-    return self.seq // self.block
+    return self.padded_seq // self.block
+
+  @property
+  def total_heads(self) -> int:
+    return self.case.batch * self.case.q_heads
+
+  @property
+  def key_suffix(self) -> str:
+    return "" if self.joint is None else f":joint:{self.joint.model}"
+
+  def pad_copy_bytes(self) -> int:
+    """q padded and out sliced back (each reads one length, writes the other), k and v
+    padded: 0 when S is a block multiple."""
+    c, s = self.case, self.padded_seq
+    if s == c.seq:
+      return 0
+    return 2 * (c.seq + s) * c.batch * (c.q_heads + c.kv_heads) * c.head_dim * 2
+
+  @property
+  def ragged_note(self) -> str:
+    if self.padded_seq == self.case.seq:
+      return ""
+    return (f" S={self.case.seq} is not a multiple of {self.block} (the kernel needs one): "
+            f"rated padded to {self.padded_seq} with a full mask (padded rows and keys "
+            "computed; the mask hiding the padded keys, one partial kv block a row, not "
+            "rated: a lower bound), pad / slice copies' bytes counted.")
+
+  def heads_text(self) -> str:
+    c = self.case
+    return f"{self.total_heads} heads" if c.batch == 1 else \
+        f"{self.total_heads} heads (B={c.batch} x {c.q_heads})"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionAnchor(_AttentionCase):
+  seq: int
+  kind: str                 # "flash" or "splash"
+  block: int = 128          # block_q = block_k(v) (both anchors' defaults: 128)
+  joint: headline.JointAttention | None = None   # a non-causal case instead of Attention(seq)
+
+  @property
+  def key(self) -> str:
+    return f"attn:{self.kind}:{self.seq}:{self.block}{self.key_suffix}"
+
+  @property
+  def implementation(self) -> str:
+    b, c = self.block, self.case
+    if self.kind == "flash":
+      repeat = (f", k/v repeated to {c.q_heads} heads" if c.kv_heads != c.q_heads else "")
+      return (f"jax flash_attention (jax {_jax().__version__}, blocks q/k_major/k "
+              f"{b}/{b}/{b}{repeat})")
+    mha = "MHA-GQA" if c.kv_heads != c.q_heads else "MHA"
+    return f"jax splash attention {mha} (jax {_jax().__version__}, block_q/kv {b}/{b})"
 
   # Truncations: [heads, blocks]: the causal self-attention of `blocks` blocks (q and kv
   # both blocks * block long, the full square grid). One head rates differently from
@@ -688,17 +739,28 @@ class AttentionAnchor:
 
   @property
   def method(self) -> str:
+    heads = self.heads_text()
     if self.small:
-      return ("static estimate at 2 and 4 heads (all q blocks), extrapolated linearly to 32 "
-              "heads")
+      return ("static estimate at 2 and 4 heads (all q blocks), extrapolated linearly to "
+              f"{heads}")
     lengths = "/".join(str(n * self.block) for n in self.SHORT_BLOCKS)
-    return (f"static estimate of 2 heads at S={lengths} (the whole causal grid of 8, 16 and "
+    grid = "causal" if self.causal else "non-causal (full)"
+    return (f"static estimate of 2 heads at S={lengths} (the whole {grid} grid of 8, 16 and "
             f"32 blocks), fitted as a + b*n + c*n^2 in the block count n, evaluated at "
-            f"n={self.nq}, times 16 for 32 heads (checked for jax 0.12 splash, blocks 512, v6e: "
-            "6,408,721 fitted vs 6,406,161 cycles rated directly at S=32768, 2 heads)")
+            f"n={self.nq}, times {self.total_heads // 2} for {heads} (checked for jax 0.12 "
+            "splash, blocks 512, v6e: 6,408,721 fitted vs 6,406,161 cycles rated directly at "
+            "S=32768, 2 heads)")
 
   @property
   def note(self) -> str:
+    if not self.causal:   # the Diffusers shapes: MHA, full mask
+      if self.kind == "flash":
+        return ("[B, H, S, D] layout (the transposes from [B, S, H, D] are not counted); "
+                "causal=False: every grid step computes." + self.ragged_note)
+      return ("splash MHA kernel with a full mask (FullMask); mask info (data_next, "
+              "block_mask) made visible as max(value, closed form: j, 2); the kernel "
+              "computes p @ v in f32 (its own choice); [H, S, D] layout (transposes not "
+              "counted)." + self.ragged_note)
     if self.kind == "flash":
       return ("flash_attention has no GQA: rated on k/v with all 32 heads (a caller repeats "
               "them first; the repeat's bytes, read 8 heads + write 32, are in hbm_bytes, its "
@@ -718,20 +780,29 @@ class AttentionAnchor:
     return dict(block_q=b, block_kv=b, block_kv_compute=b, layout="HSD", kv_heads_in_kernel=8,
                 downcast_smem_data=True)
 
-  # Splash's mask info for a causal mask (rows = the first `rows` q blocks, full kv):
+  # Splash's mask info for a causal mask (rows = the first `rows` q blocks, full kv), or
+  # for a full mask (non-causal: every block full, data_next = j):
   def block_mask(self, i, j):
     import jax.numpy as jnp
+    if not self.causal:
+      return 2 if isinstance(i, int) else jnp.full(jnp.shape(i), 2, jnp.int32)
     return jnp.where(j < i, 2, jnp.where(j == i, 1, 0)) if not isinstance(i, int) else \
         (2 if j < i else 1 if j == i else 0)
 
   def data_next(self, i, j):
     import jax.numpy as jnp
+    if not self.causal:
+      return j
     return jnp.where(j <= i, j, 0) if not isinstance(i, int) else (j if j <= i else 0)
+
+  def splash_mask(self, sq: int):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as M
+    return (M.CausalMask if self.causal else M.FullMask)((sq, sq))
 
   def _splash_mask_info(self, blocks: int):
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_mask as M, splash_attention_mask_info as MI)
-    mask = M.MultiHeadMask([M.CausalMask((blocks * self.block,) * 2)])
+    mask = M.MultiHeadMask([self.splash_mask(blocks * self.block)])
     info, _ = MI.process_mask(mask, (self.block, self.block), shrink_grid=False)
     return info
 
@@ -745,8 +816,8 @@ class AttentionAnchor:
     import numpy as np
     info = self._splash_mask_info(blocks)
     i, j = np.meshgrid(np.arange(blocks), np.arange(blocks), indexing="ij")
-    want_mask = np.where(j < i, 2, np.where(j == i, 1, 0))
-    want_next = np.where(j <= i, j, 0)
+    want_mask = np.vectorize(self.block_mask)(i, j)
+    want_next = np.vectorize(self.data_next)(i, j)
     np.testing.assert_array_equal(np.asarray(info.block_mask)[0], want_mask)
     np.testing.assert_array_equal(np.asarray(info.data_next)[0], want_next)
     assert info.mask_next is None and info.partial_mask_blocks is None
@@ -763,7 +834,7 @@ class AttentionAnchor:
       F = _module("flash_attention")
 
       def fn(q, k, v):   # k / v already repeated to every head (see the module docstring)
-        return F.flash_attention(q, k, v, causal=True, sm_scale=scale,
+        return F.flash_attention(q, k, v, causal=self.causal, sm_scale=scale,
                                  block_sizes=F.BlockSizes(block_q=b, block_k_major=b,
                                                           block_k=b, block_b=1))
       return fn, [S((1, heads, sq, c.head_dim), jnp.bfloat16)] * 3
@@ -771,7 +842,7 @@ class AttentionAnchor:
         splash_attention_kernel as K, splash_attention_mask as M,
         splash_attention_mask_info as MI)
     kv_heads = max(1, heads * c.kv_heads // c.q_heads)
-    mask = M.MultiHeadMask([M.CausalMask((sq, sq))] * heads)
+    mask = M.MultiHeadMask([self.splash_mask(sq)] * heads)
     # The square causal grid keeps its skipped steps (above the diagonal), as the case's does.
     process = functools.partial(MI.process_mask, shrink_grid=False)
     with mock.patch.object(K.mask_info_lib, "process_mask", process):
@@ -789,7 +860,7 @@ class AttentionAnchor:
                 S((kv_heads, sq, c.head_dim), jnp.bfloat16)]
 
   def extrapolate(self, cycles: dict) -> float:
-    H = self.case.q_heads
+    H = self.total_heads
     if self.small:
       c2, c4 = cycles[json.dumps([2, self.nq])], cycles[json.dumps([4, self.nq])]
       return c2 + (c4 - c2) / 2 * (H - 2)
@@ -811,8 +882,8 @@ class AttentionAnchor:
     nq = self.nq if nq_rows is None else nq_rows
     blk = b * d * 2
     steps = ((i, j) for i in range(nq) for j in range(self.nq))
-    if self.kind == "flash":   # kv index: j on or below the diagonal, else 0
-      kv = lambda i, j: j if j <= i else 0
+    if self.kind == "flash":   # kv index: j on or below the diagonal, else 0 (causal)
+      kv = lambda i, j: j if j <= i or not self.causal else 0
     else:                      # splash: data_next
       kv = lambda i, j: self.data_next(i, j)
     return replay(steps, [("q", lambda i, j: i, blk), ("k", kv, blk), ("v", kv, blk),
@@ -822,24 +893,27 @@ class AttentionAnchor:
     """All heads: every head starts with new q / o / kv blocks (the head is part of each
     block index, and j restarts at 0), so heads x one head's replay."""
     c = self.case
-    total = c.q_heads * self.hbm_bytes_head()
-    if self.kind == "flash":   # the k / v repeat: read 8 heads, write 32, for k and v
-      total += 2 * (c.kv_heads + c.q_heads) * self.seq * c.head_dim * 2
-    return total
+    total = self.total_heads * self.hbm_bytes_head()
+    if self.kind == "flash" and c.kv_heads != c.q_heads:   # the k / v repeat: read 8 heads,
+      total += 2 * (c.kv_heads + c.q_heads) * self.seq * c.head_dim * 2   # write 32, k and v
+    return total + self.pad_copy_bytes()
 
   def hand(self, chip) -> dict:
     c = self.case
-    run, steps = _causal_rows(self.nq, self.nq)
-    mxu = c.q_heads * run * 4 * self.block * self.block * c.head_dim
+    run, steps = (_causal_rows(self.nq, self.nq) if self.causal else
+                  (self.nq * self.nq,) * 2)
+    heads = self.total_heads
+    mxu = heads * run * 4 * self.block * self.block * c.head_dim
     if self.kind == "splash":   # p @ v in f32: count it at 1/3 of bf16 MXU rate (3 passes)
-      mxu_equiv = c.q_heads * run * 2 * self.block ** 2 * c.head_dim * (1 + 3)
+      mxu_equiv = heads * run * 2 * self.block ** 2 * c.head_dim * (1 + 3)
     else:
       mxu_equiv = mxu
     hand_us = max(mxu_equiv / chip.bf16_flops_per_s,
                   self.hbm_bytes() / chip.hbm_bytes_per_s) * 1e6
+    blocks = "diagonal-or-below" if self.causal else "(all)"
     return dict(hand_mxu_flops=mxu, hand_us=hand_us,
-                hand_count=f"32 heads x {run} diagonal-or-below {self.block}^2 blocks x "
-                           f"4*{self.block}^2*128 flops at bf16 peak"
+                hand_count=f"{heads} heads x {run} {blocks} {self.block}^2 blocks x "
+                           f"4*{self.block}^2*{c.head_dim} flops at bf16 peak"
                            + (" (p@v in f32 counted as 3 bf16 passes)"
                               if self.kind == "splash" else "")
                            + f"; {steps} grid steps per head")
@@ -854,7 +928,7 @@ TOKAMAX_ROW_COMPARES = 7        # every truncation's row closed form does this m
 
 
 @dataclasses.dataclass(frozen=True)
-class TokamaxAttentionAnchor(_Tokamax):
+class TokamaxAttentionAnchor(_AttentionCase, _Tokamax):
   """tokamax's `dot_product_attention` on TPU (implementation "mosaic"): its fork of splash
   attention, called as tokamax calls it, with its heuristic config (block_q / block_kv /
   block_kv_compute 128, head-dim-minor layouts, its experimental LLO scheduler, base-2 exp),
@@ -875,18 +949,20 @@ class TokamaxAttentionAnchor(_Tokamax):
   Long cases are fitted from the first 2, 4 and 8 rows, which rates the grid fast (see
   `method`). jax's splash anchor moved to whole grids at shorter lengths (`AttentionAnchor`);
   here a whole grid of 32 rows needs 31 threshold compares a step, whose scalar work (~4
-  cycles each) would skew the rating the other way, so that move is not made yet."""
+  cycles each) would skew the rating the other way, so that move is not made yet.
+
+  Non-causal (`joint`, Diffusers' shapes): tokamax's op passes a FullMask, whose mask info
+  is empty (no block lists, no SMEM reads): the grid is (heads, q blocks x kv blocks) and
+  every step computes. Truncated to the first 2, 4 and 8 q-block rows over the whole
+  (padded) kv length; every row does the same work, so a + b*rows is fitted."""
 
   seq: int
   block: int = 128
-
-  @property
-  def case(self):
-    return headline.Attention(self.seq)
+  joint: headline.JointAttention | None = None   # a non-causal case instead of Attention(seq)
 
   @property
   def key(self) -> str:
-    return f"tokamax-attn:{self.seq}:{self.block}"
+    return f"tokamax-attn:{self.seq}:{self.block}{self.key_suffix}"
 
   @property
   def implementation(self) -> str:
@@ -895,14 +971,15 @@ class TokamaxAttentionAnchor(_Tokamax):
     return (f"tokamax dot_product_attention mosaic_tpu (tokamax {self.tokamax_version}, jax "
             f"{_jax().__version__}, {config})")
 
-  @property
-  def nq(self) -> int:
-    return self.seq // self.block
-
   truncations = tuple([2, rows] for rows in TOKAMAX_ROWS)
 
   @property
   def method(self) -> str:
+    if not self.causal:
+      return ("static estimate of 2 heads at the first 2, 4 and 8 q-block rows of its full "
+              f"grid (every kv block of the {self.padded_seq} keys), fitted as a + b*rows "
+              f"(least squares), extrapolated to {self.nq} rows, times {self.total_heads // 2} "
+              f"for {self.heads_text()}; no SMEM reads (a full mask has no block lists)")
     return ("static estimate of 2 heads at the first 2, 4 and 8 q-block rows (its compact grid "
             "of on-or-below-diagonal blocks), fitted as a + b*rows + c*blocks, extrapolated to "
             f"{self.nq} rows, times 16 for 32 heads; SMEM reads answered by closed forms of the "
@@ -913,6 +990,12 @@ class TokamaxAttentionAnchor(_Tokamax):
 
   @property
   def note(self) -> str:
+    if not self.causal:
+      return ("tokamax's splash fork, MHA, FullMask (what its op passes when there is no "
+              "mask), called as tokamax's op calls it (q [H, S, D], 1/sqrt(D) folded into q "
+              "by the caller: not rated; transposes from [B, S, H, D] not counted). On v6e "
+              "use_base2_exp=False (the estimator aborts on its base-2 exp; see the causal "
+              "rows)." + self.ragged_note)
     return ("tokamax's splash fork with 8 kv heads (GQA by its h // 4 index map), called as "
             "tokamax's op calls it (q [H, S, D], 1/sqrt(D) folded into q by the caller: not "
             "rated; transposes from [B, S, H, D] not counted). On v6e the estimator aborts on "
@@ -982,7 +1065,8 @@ class TokamaxAttentionAnchor(_Tokamax):
         splash_attention_mask_info as MI)
     self.check_tokamax_version()
     assert rows <= max(TOKAMAX_ROWS)
-    self._check_forms(MI, M)
+    if self.causal:
+      self._check_forms(MI, M)
     c, b = self.case, self.block
     config = dataclasses.asdict(A.PallasMosaicTpuFlashAttention()._get_heuristics_config(None))
     assert (config["block_q"], config["block_kv"], config["block_kv_compute"]) == (128,) * 3
@@ -992,6 +1076,16 @@ class TokamaxAttentionAnchor(_Tokamax):
     splash_config = dataclasses.replace(K.SplashConfig.get_default(), attn_logits_soft_cap=None,
                                         **config)
     sq = rows * b
+    S = jax.ShapeDtypeStruct
+    if not self.causal:   # full mask: no block lists, the grid is every (q, kv) block pair
+      mask = M.FullMask((sq, self.padded_seq))
+      info, _ = MI.process_mask(mask, (b, b))
+      assert info.block_mask is None and info.active_rows is None, info
+      kernel = K.make_splash_mha(mask, config=splash_config, save_residuals=False,
+                                 q_seq_shards=1)
+      kv = S((c.kv_heads * heads // c.q_heads, self.padded_seq, c.head_dim), jnp.bfloat16)
+      return (lambda q, k, v: kernel(q, k, v)), [S((heads, sq, c.head_dim), jnp.bfloat16),
+                                                  kv, kv]
     kernel = K.make_splash_mha(M.CausalMask((sq, self.seq)), config=splash_config,
                                save_residuals=False, q_seq_shards=1)
     active = rows * (rows + 1) // 2
@@ -1002,7 +1096,6 @@ class TokamaxAttentionAnchor(_Tokamax):
     def fn(q, k, v):
       with visible_prefetch(K, forms, grid=(heads, active)):
         return kernel(q, k, v)
-    S = jax.ShapeDtypeStruct
     kv_heads = max(1, heads * c.kv_heads // c.q_heads)
     return fn, [S((heads, sq, c.head_dim), jnp.bfloat16),
                 S((kv_heads, sq, c.head_dim), jnp.bfloat16),
@@ -1012,8 +1105,11 @@ class TokamaxAttentionAnchor(_Tokamax):
     """Solve a + b*rows + c*blocks for the three truncations; all rows, times 16 heads."""
     import numpy as np
     pts = [json.loads(t)[1] for t in cycles]
-    A = np.array([[1.0, r, r * (r + 1) / 2] for r in pts])
     y = np.array([cycles[json.dumps([2, r])] for r in pts], dtype=float)
+    if not self.causal:   # identical rows: a + b*rows
+      coef = np.linalg.lstsq(np.array([[1.0, r] for r in pts]), y, rcond=None)[0]
+      return self.total_heads / 2 * float(coef @ [1.0, self.nq])
+    A = np.array([[1.0, r, r * (r + 1) / 2] for r in pts])
     coef = np.linalg.solve(A, y)
     return self.case.q_heads / 2 * float(coef @ [1.0, self.nq, self.nq * (self.nq + 1) / 2])
 
@@ -1023,6 +1119,11 @@ class TokamaxAttentionAnchor(_Tokamax):
     32 query heads (each restarts its kv walk)."""
     b, d = self.block, self.case.head_dim
     blk = b * d * 2
+    if not self.causal:   # full grid, no q_sequence block (a full mask has no mask function)
+      steps = ((i, j) for i in range(self.nq) for j in range(self.nq))
+      per_head = replay(steps, [("q", lambda i, j: i, blk), ("k", lambda i, j: j, blk),
+                                ("v", lambda i, j: j, blk), ("o", lambda i, j: i, blk)])
+      return self.total_heads * per_head + self.pad_copy_bytes()
     steps = ((i, j) for i in range(self.nq) for j in range(i + 1))
     per_head = replay(steps, [("q", lambda i, j: i, blk), ("k", lambda i, j: j, blk),
                               ("v", lambda i, j: j, blk), ("o", lambda i, j: i, blk),
@@ -1031,12 +1132,13 @@ class TokamaxAttentionAnchor(_Tokamax):
 
   def hand(self, chip) -> dict:
     c = self.case
-    run = self.nq * (self.nq + 1) // 2
-    mxu = c.q_heads * run * 4 * self.block * self.block * c.head_dim
+    run = self.nq * (self.nq + 1) // 2 if self.causal else self.nq * self.nq
+    mxu = self.total_heads * run * 4 * self.block * self.block * c.head_dim
     hand_us = max(mxu / chip.bf16_flops_per_s, self.hbm_bytes() / chip.hbm_bytes_per_s) * 1e6
+    blocks = "diagonal-or-below" if self.causal else "(all)"
     return dict(hand_mxu_flops=mxu, hand_us=hand_us,
-                hand_count=f"32 heads x {run} diagonal-or-below {self.block}^2 blocks x "
-                           f"4*{self.block}^2*128 flops at bf16 peak")
+                hand_count=f"{self.total_heads} heads x {run} {blocks} {self.block}^2 blocks "
+                           f"x 4*{self.block}^2*{c.head_dim} flops at bf16 peak")
 
 
 # ----------------------------------------------------------------------------------------
@@ -1299,6 +1401,11 @@ def _specs_list():
     for block in (128, 512):
       out += [AttentionAnchor(seq, "flash", block), AttentionAnchor(seq, "splash", block)]
     out += [TokamaxAttentionAnchor(seq, 128), TokamaxAttentionAnchor(seq, 512)]
+  for case in headline.DIFFUSION_ATTENTION:   # non-causal, Diffusers' shapes
+    for block in (128, 512):
+      out += [AttentionAnchor(case.seq, "flash", block, joint=case),
+              AttentionAnchor(case.seq, "splash", block, joint=case),
+              TokamaxAttentionAnchor(case.seq, block, joint=case)]
   for ctx in (2048, 32768):
     out += [PagedAnchor(ctx), RaggedPagedAnchor(ctx)]
   return out

@@ -1,4 +1,5 @@
-"""Static estimate of flash-attention-tpu's causal forward at a headline case.
+"""Static estimate of flash-attention-tpu's forward at an attention case: causal
+(headline.Attention, GQA) or non-causal (headline.JointAttention, Diffusers' shapes, MHA).
 
 Why a proxy. The kernel views q as [B, Hkv, G, S, D] and holds the G query heads of a
 KV head in one (G, block_q, D) block, so each K/V block is loaded once per group.
@@ -29,6 +30,17 @@ written once per group; q block i visits kv blocks [0, hi_i), hi_i = ceil((i + 1
 block_q / block_k), and a K / V block is fetched whenever the kv index changes between
 consecutive steps (`kv_schedule`, `kv_block_fetches`: the folded causal grid, or a row per
 q block whose skipped steps wait at block 0).
+
+Non-causal cases (`case.causal` False) use the same code: every q block visits every kv
+block (hi_i = number of kv blocks), the kernel's own tiling for non-causal attention, and
+the long-sequence fit in q blocks and interior tiles, where an interior tile is now any
+tile the key-padding mask does not cross. A sequence that is not a multiple of the
+blocks is padded by the kernel's wrapper to whole blocks in XLA (`flash_attention`): the
+padded rows and keys are computed (the last kv block runs the masked body), the pad and
+the output slice are XLA copies. Their cycles are in the rated program; their bytes are
+added (`pad_copy_bytes`); the roofline counts the real S only, so the waste shows in the
+efficiency. Long ragged cases are rated at shorter lengths with the same tail (same
+padding, same masked last block).
 """
 
 from __future__ import annotations
@@ -52,33 +64,36 @@ RATED_HEADS = (2, 4)   # one head alone can rate differently from the next (anch
 def tiling(case, chip: str) -> F.Tiling:
   return F.attention_tiling(case.seq, case.seq, case.head_dim,
                             group=case.q_heads // case.kv_heads,
-                            dtype=jnp.dtype(case.dtype), chip=chip, causal=True)
+                            dtype=jnp.dtype(case.dtype), chip=chip, causal=case.causal)
 
 
-def visited_tiles(seq: int, block_q: int, block_k: int) -> list[int]:
-  """hi_i per q block: the kv blocks a causal q block visits (no offset, no window)."""
+def visited_tiles(seq: int, block_q: int, block_k: int, causal: bool = True) -> list[int]:
+  """hi_i per q block: the kv blocks a q block visits (causal: no offset, no window;
+  non-causal: all of them)."""
   num_q = -(-seq // block_q)
   num_k = -(-seq // block_k)
+  if not causal:
+    return [num_k] * num_q
   return [min(num_k, -(-min((i + 1) * block_q, seq) // block_k)) for i in range(num_q)]
 
 
-def kv_schedule(seq: int, block_q: int, block_k: int) -> list[int]:
+def kv_schedule(seq: int, block_q: int, block_k: int, causal: bool = True) -> list[int]:
   """The kv block index of every forward grid step of one (batch row, KV head), causal
   self-attention, as the kernel's index maps name it. Folded grid (the kernel's
   `_fold_causal`): row i runs q block i's kv blocks, then q block nq - 1 - i's.
   Otherwise a row per q block over every kv step: blocks 0 .. hi_i - 1, then, on the
   skipped steps, block 0 (where the next q block starts; `_fetch`)."""
   num_q, num_k = -(-seq // block_q), -(-seq // block_k)
-  hi = visited_tiles(seq, block_q, block_k)
-  if F._fold_causal(True, None, 0, seq, seq, block_q, block_k):
+  hi = visited_tiles(seq, block_q, block_k, causal)
+  if F._fold_causal(causal, None, 0, seq, seq, block_q, block_k):
     return [j for i in range(num_q // 2) for q in (i, num_q - 1 - i) for j in range(hi[q])]
   return [step if step < hi[i] else 0 for i in range(num_q) for step in range(num_k)]
 
 
-def kv_block_fetches(seq: int, block_q: int, block_k: int) -> int:
+def kv_block_fetches(seq: int, block_q: int, block_k: int, causal: bool = True) -> int:
   """K (or V) block fetches of one (batch row, KV head): how often the kv block index
   changes between consecutive grid steps (an unchanged index issues no DMA)."""
-  schedule = kv_schedule(seq, block_q, block_k)
+  schedule = kv_schedule(seq, block_q, block_k, causal)
   return sum(j != last for j, last in zip(schedule, [None] + schedule[:-1]))
 
 
@@ -87,16 +102,29 @@ def hbm_bytes(case, t: F.Tiling) -> int:
   q_len_p = -(-case.seq // t.block_q) * t.block_q
   q_out = 2 * case.batch * case.q_heads * q_len_p * case.head_dim * item
   lse = case.batch * case.q_heads * q_len_p * 4
-  kv_blocks = kv_block_fetches(case.seq, t.block_q, t.block_k)
+  kv_blocks = kv_block_fetches(case.seq, t.block_q, t.block_k, case.causal)
   kv = 2 * case.batch * case.kv_heads * kv_blocks * t.block_k * case.head_dim * item
   return q_out + lse + kv
 
 
+def pad_copy_bytes(case, t: F.Tiling) -> int:
+  """HBM bytes of the XLA copies around the kernel when S is not a block multiple: q
+  padded and out sliced back (each reads one length and writes the other), k and v
+  padded. 0 for block multiples (the wrapper copies nothing)."""
+  row = case.batch * case.head_dim * jnp.dtype(case.dtype).itemsize
+  q_p = -(-case.seq // t.block_q) * t.block_q
+  k_p = -(-case.seq // t.block_k) * t.block_k
+  q_side = 2 * (case.seq + q_p) * case.q_heads * row if q_p != case.seq else 0
+  k_side = 2 * (case.seq + k_p) * case.kv_heads * row if k_p != case.seq else 0
+  return q_side + k_side
+
+
 def mha_program(seq: int, heads: int, case, t: F.Tiling, chip: str):
-  """(fn, specs): the causal forward of B=1, `heads` MHA heads at the GQA case's tiling."""
+  """(fn, specs): the forward (causal as the case) of B=1, `heads` MHA heads at the case's
+  tiling."""
   dtype = jnp.dtype(case.dtype)
   spec = S((1, heads, seq, case.head_dim), dtype)
-  fn = functools.partial(F.flash_attention, causal=True, chip=chip, block_q=t.block_q,
+  fn = functools.partial(F.flash_attention, causal=case.causal, chip=chip, block_q=t.block_q,
                          block_k=t.block_k, vmem_limit_bytes=t.vmem_limit_bytes)
   return fn, [spec, spec, spec]
 
@@ -111,31 +139,47 @@ def _cycles(seq: int, heads: int, case, t, chip: str) -> int:
   return report.estimated_cycles
 
 
-def interior_tiles(seq: int, block_q: int, block_k: int) -> int:
-  """Visited (q block, kv block) pairs wholly below the causal diagonal."""
+def interior_tiles(seq: int, block_q: int, block_k: int, causal: bool = True) -> int:
+  """Visited (q block, kv block) pairs no mask crosses: causal, wholly below the diagonal
+  (a block multiple S assumed); non-causal, every pair but those of a kv block holding
+  padded keys."""
+  if not causal:
+    num_q, num_k = -(-seq // block_q), -(-seq // block_k)
+    return num_q * (num_k - (seq % block_k != 0))
   return sum(min(-(-seq // block_k), (i * block_q + 1) // block_k)
              for i in range(-(-seq // block_q)))
 
 
 def estimate(case, chip: str) -> dict:
-  """Partial row: estimated_cycles (whole causal forward, all heads), hbm_bytes, how."""
+  """Partial row: estimated_cycles (the whole forward, all heads), hbm_bytes, how."""
   t = tiling(case, chip)
   total_heads = case.batch * case.q_heads
-  seqs = (case.seq,) if case.seq <= MAX_RATED_SEQ else (MAX_RATED_SEQ // 2, MAX_RATED_SEQ)
+  # Long cases: two shorter lengths with the case's tail (the same padding and masked
+  # last blocks; 0 for block multiples).
+  tail = -case.seq % max(t.block_q, t.block_k)
+  seqs = ((case.seq,) if case.seq <= MAX_RATED_SEQ else
+          (MAX_RATED_SEQ // 2 - tail, MAX_RATED_SEQ - tail))
   fixed, per_head = {}, {}
   for seq in seqs:
     c1, c2 = (_cycles(seq, h, case, t, chip) for h in RATED_HEADS)
     per_head[seq] = (c2 - c1) / (RATED_HEADS[1] - RATED_HEADS[0])
     fixed[seq] = c1 - per_head[seq] * RATED_HEADS[0]
-  how = (f"static estimate of the MHA program (G=1) at the GQA tiling, rated at "
-         f"{RATED_HEADS} heads")
+  gqa = case.q_heads != case.kv_heads
+  how = ("static estimate of the MHA program (G=1) at the GQA tiling" if gqa else
+         "static estimate of the program (non-causal, B=1)")
+  how += f", rated at {RATED_HEADS} heads"
+  if case.seq % t.block_q or case.seq % t.block_k:
+    how += (f"; S={case.seq} padded by the wrapper to {-(-case.seq // t.block_q) * t.block_q} "
+            f"(q) / {-(-case.seq // t.block_k) * t.block_k} (kv) in XLA: padded rows and keys "
+            "computed, the last kv block masked, pad and slice copies rated and their bytes "
+            "counted")
   if len(seqs) == 1:
     head_cycles = per_head[case.seq]
     method = f"{how}, extrapolated to {total_heads}"
   else:   # solve per_head(s) = a * q_blocks(s) + b * interior(s) from the two lengths
     (s1, s2), bq, bk = seqs, t.block_q, t.block_k
     n1, n2, n = (-(-s // bq) for s in (s1, s2, case.seq))
-    i1, i2, i = (interior_tiles(s, bq, bk) for s in (s1, s2, case.seq))
+    i1, i2, i = (interior_tiles(s, bq, bk, case.causal) for s in (s1, s2, case.seq))
     det = n1 * i2 - n2 * i1
     per_block = (per_head[s1] * i2 - per_head[s2] * i1) / det
     per_tile = (n1 * per_head[s2] - n2 * per_head[s1]) / det
@@ -143,17 +187,23 @@ def estimate(case, chip: str) -> dict:
     method = (f"{how} at S={s1}, {s2}; fitted per q block ({per_block:,.0f}) and per "
               f"interior tile ({per_tile:,.0f}), extrapolated to S={case.seq}, "
               f"{total_heads} heads")
-  return dict(estimated_cycles=round(fixed[seqs[-1]] + head_cycles * total_heads),
-              cycles_per_head=round(head_cycles), hbm_bytes=hbm_bytes(case, t), method=method,
-              tiling=dict(block_q=t.block_q, block_k=t.block_k,
-                          vmem_limit_bytes=t.vmem_limit_bytes),
-              note="GQA rated through its MHA program (the estimator gives 3-D blocks 0 "
+  row = dict(estimated_cycles=round(fixed[seqs[-1]] + head_cycles * total_heads),
+             cycles_per_head=round(head_cycles),
+             hbm_bytes=hbm_bytes(case, t) + pad_copy_bytes(case, t), method=method,
+             tiling=dict(block_q=t.block_q, block_k=t.block_k,
+                         vmem_limit_bytes=t.vmem_limit_bytes))
+  if gqa:
+    row["note"] = ("GQA rated through its MHA program (the estimator gives 3-D blocks 0 "
                    "cycles); K/V bytes counted once per group")
+  else:
+    row["note"] = "the [B, S, H, D] <-> [B, H, S, D] transposes of a Diffusers caller"
+  return row
 
 
 def xla_program(case):
-  """(fn, specs): jax.nn.dot_product_attention, causal, GQA, in its [B, S, H, D] layout."""
+  """(fn, specs): jax.nn.dot_product_attention (causal as the case), in its [B, S, H, D]
+  layout (GQA by its own head grouping)."""
   dtype = jnp.dtype(case.dtype)
   q = S((case.batch, case.seq, case.q_heads, case.head_dim), dtype)
   kv = S((case.batch, case.seq, case.kv_heads, case.head_dim), dtype)
-  return functools.partial(jax.nn.dot_product_attention, is_causal=True), [q, kv, kv]
+  return functools.partial(jax.nn.dot_product_attention, is_causal=case.causal), [q, kv, kv]

@@ -193,7 +193,7 @@ def ours_and_xla(case) -> list[Implementation]:
             lambda: ragged_estimate.xla_function(_gmm(case, chip)), chip),
             static_profile=False),
     ]
-  if isinstance(case, headline.Attention):
+  if isinstance(case, (headline.Attention, headline.JointAttention)):
     return [
         Implementation(name, "pallas", OURS, functools.partial(attention_estimate.estimate, case)),
         Implementation(name, "xla (nn.dot_product_attention)", XLA, lambda chip: _xla_cost(

@@ -23,13 +23,18 @@ import headline  # noqa: E402
 
 
 def test_every_anchor_names_a_headline_case():
-  names = {c.name for c in headline.HEADLINE}
+  names = {c.name for c in headline.ALL_CASES}
   listed = anchors.anchors()
   assert listed and all(a.case in names for a in listed)
   rated = {a.case for a in listed}
   # every headline case but RMSNorm has an anchor; RMSNorm has none in jax (said so)
   assert {c.name for c in headline.HEADLINE if not isinstance(c, headline.RmsNorm)} <= rated
   assert "rms_norm" in anchors.NO_ANCHOR
+  # each Diffusers shape: jax flash, jax splash and tokamax, at blocks 128 and 512
+  for case in headline.DIFFUSION_ATTENTION:
+    impls = [a.implementation for a in listed if a.case == case.name]
+    for kind in ("jax flash_attention", "jax splash attention MHA (", "tokamax"):
+      assert sum(i.startswith(kind) for i in impls) == 2, (case.name, kind, impls)
 
 
 @pytest.mark.parametrize("m", [512, 8192])
@@ -97,6 +102,50 @@ def test_splash_causal_closed_form_equals_process_mask(seq):
   anchors.AttentionAnchor(seq, "splash", 512 if seq > 1024 else 128).validate()
 
 
+def _joint(seq=500, heads=3, batch=2):
+  return headline.JointAttention("toy", seq=seq, heads=heads, head_dim=64, batch=batch)
+
+
+def test_splash_full_mask_closed_form_equals_process_mask():
+  case = headline.DIFFUSION_ATTENTION[0]
+  a = anchors.AttentionAnchor(case.seq, "splash", 128, joint=case)
+  assert a.padded_seq == 4480 and a.nq == 35 and not a.causal
+  a.validate()   # the 8, 16 and 32 block grids the fit builds
+
+
+@pytest.mark.parametrize("kind", ["flash", "splash"])
+def test_non_causal_attention_hbm_equals_full_replay(kind):
+  """S=500 padded to 512: every (q, kv) block pair of each (batch row, head) in order,
+  plus the caller's pad (q, k, v: read 500 rows, write 512) and slice (out) copies."""
+  a = anchors.AttentionAnchor(500, kind, block=128, joint=_joint())
+  c, nq, blk = a.case, a.nq, 128 * 64 * 2
+  assert nq == 4
+  moved, last = 0, {}
+  for h in range(c.batch * c.heads):
+    for i in range(nq):
+      for j in range(nq):
+        for name, idx in (("q", (h, i)), ("k", (h, j)), ("v", (h, j)), ("o", (h, i))):
+          if last.get(name) != idx:
+            moved += blk
+            last[name] = idx
+  copies = 4 * (500 + 512) * c.batch * c.heads * 64 * 2
+  assert a.hbm_bytes() == moved + copies
+  from tpu_kernels import chips
+  hand = a.hand(chips.get_chip("v6e"))
+  assert hand["hand_mxu_flops"] == c.batch * c.heads * nq * nq * 4 * 128 * 128 * 64
+
+
+def test_non_causal_length_fit_and_heads():
+  """Long non-causal cases use the same a + b*n + c*n^2 fit (n rows of n computed steps),
+  times B*H / 2 (the truncations rate 2 heads)."""
+  case = headline.DIFFUSION_ATTENTION[-1]
+  a = anchors.AttentionAnchor(case.seq, "flash", 512, joint=case)
+  assert a.nq == 64 and not a.small
+  model = lambda n: 7 + 11 * n + 13 * n * n
+  cycles = {json.dumps(t): model(t[1]) for t in a.truncations}
+  assert a.extrapolate(cycles) == pytest.approx(case.batch * case.heads / 2 * model(a.nq))
+
+
 def test_attention_length_fit_is_exact_for_a_model():
   """A long case is rated at shorter whole causal grids and fitted in the block count n:
   per-row work (n rows) plus per-step work (n^2 steps, computed or skipped) is exact."""
@@ -143,6 +192,10 @@ def test_ragged_paged_static_loops_and_bytes():
 
 @pytest.mark.parametrize("key,trunc", [("gmm:512:down:default:128", [2]),
                                        ("attn:splash:4096:128", [1, 2]),
+                                       ("attn:flash:4429:128:joint:SD3.5-medium 1024x1024",
+                                        [1, 2]),
+                                       ("attn:splash:4429:128:joint:SD3.5-medium 1024x1024",
+                                        [1, 2]),
                                        ("paged:2048:8", [1]),
                                        ("rpa:2048:32:32", [32, 2048])])
 def test_anchor_compiles_for_v6e(key, trunc):
@@ -183,6 +236,18 @@ def test_tokamax_attention_fit_and_bytes():
   assert a.hbm_bytes() == c.q_heads * per_head
 
 
+def test_tokamax_non_causal_fit_and_bytes():
+  """Full grid: identical rows, so a + b*rows; bytes: q / o once per row, k / v at every
+  step (the kv index wraps to 0 at each new row), no q_sequence block, plus pad copies."""
+  a = anchors.TokamaxAttentionAnchor(500, 128, joint=_joint())
+  model = lambda rows: 7 + 11 * rows
+  cycles = {json.dumps(t): model(t[1]) for t in a.truncations}
+  assert a.extrapolate(cycles) == pytest.approx(2 * 3 / 2 * model(a.nq))
+  c, nq, block = a.case, a.nq, 128 * 64 * 2
+  per_head = block * (2 * nq + 2 * nq * nq)
+  assert a.hbm_bytes() == c.batch * c.heads * per_head + 4 * (500 + 512) * 2 * 3 * 64 * 2
+
+
 def test_tokamax_gmm_heuristic_tiling_and_bytes_match_megablox():
   """Same algorithm, same index maps: the same bytes as megablox at the same tiling."""
   for m in (512, 8192):
@@ -194,7 +259,8 @@ def test_tokamax_gmm_heuristic_tiling_and_bytes_match_megablox():
 
 
 @pytest.mark.parametrize("key,trunc", [("tokamax-gmm:512:down:heuristic:128", [2]),
-                                       ("tokamax-attn:4096:128", [2, 4])])
+                                       ("tokamax-attn:4096:128", [2, 4]),
+                                       ("tokamax-attn:4608:128:joint:Flux.1 1024x1024", [2, 2])])
 def test_tokamax_anchor_compiles_in_its_environment(key, trunc):
   """Built and compiled for v6e in this stack's tokamax environment (0.0.12 beside jax
   0.10, 0.0.17 beside jax 0.12; plain compile: no profile). The build checks, against

@@ -36,6 +36,26 @@ def test_headline_names_are_unique_and_found():
     headline.by_name("nope")
 
 
+def test_diffusion_cases_are_named_and_found():
+  """The non-causal Diffusers cases: unique names among every case, found by name, named
+  after their kernel (the card's rows), and the issue's shapes."""
+  names = [c.name for c in headline.ALL_CASES]
+  assert len(set(names)) == len(names)
+  got = {(c.seq, c.heads, c.head_dim, c.batch) for c in headline.DIFFUSION_ATTENTION}
+  assert got == {(4096 + 333, 24, 64, 2), (4096 + 512, 24, 128, 1), (32760, 40, 128, 1)}
+  for c in headline.DIFFUSION_ATTENTION:
+    assert headline.by_name(c.name) is c and not c.causal
+    assert c.name.startswith("flash_attention non-causal ")
+
+
+def test_joint_attention_flops_and_bytes_count_every_pair():
+  case = headline.JointAttention("toy", seq=7, heads=3, head_dim=16, batch=2)
+  pairs = sum(1 for i in range(7) for j in range(7))
+  assert case.flops() == 2 * 3 * pairs * 16 * 4   # QK^T and PV: 2 flops per MAC each
+  assert case.min_bytes() == 4 * 2 * 7 * 3 * 16 * 2   # q, k, v read, out written
+  assert (case.q_heads, case.kv_heads, case.bound) == (3, 3, "compute")
+
+
 def test_attention_flops_count_the_causal_pairs():
   case = headline.Attention(seq=8, batch=2, q_heads=4, kv_heads=2, head_dim=16)
   visible = sum(1 for i in range(8) for j in range(8) if j <= i)
@@ -68,13 +88,26 @@ def test_visited_and_interior_tiles_by_brute_force(seq, bq, bk):
   assert attention_estimate.interior_tiles(seq, bq, bk) == interior
 
 
-def _forward_grid(seq: int, bq: int, bk: int, folded: bool):
+@pytest.mark.parametrize("seq,bq,bk", [(4429, 512, 512), (4608, 512, 1024), (32760, 512, 1024),
+                                       (4096, 512, 512)])
+def test_non_causal_tiles_by_brute_force(seq, bq, bk):
+  """Non-causal: every padded tile is visited; interior = those with no padded key."""
+  visited = interior = 0
+  for i in range(-(-seq // bq)):
+    for j in range(-(-seq // bk)):
+      visited += 1
+      interior += (j + 1) * bk <= seq
+  assert sum(attention_estimate.visited_tiles(seq, bq, bk, causal=False)) == visited
+  assert attention_estimate.interior_tiles(seq, bq, bk, causal=False) == interior
+
+
+def _forward_grid(seq: int, bq: int, bk: int, folded: bool, causal: bool = True):
   """(q block, kv block, computes) of every forward grid step of one (batch row, KV head),
   from the kernel's documented schedule: folded, row i runs q block i then q block
   nq - 1 - i, each over the kv blocks it can see; else a row per q block over every kv
   step, the steps past its range waiting at kv block 0."""
   num_q, num_k = -(-seq // bq), -(-seq // bk)
-  sees = [[j for j in range(num_k) if j * bk <= min((i + 1) * bq, seq) - 1]
+  sees = [[j for j in range(num_k) if j * bk <= min((i + 1) * bq, seq) - 1 or not causal]
           for i in range(num_q)]                  # kv blocks with a key <= the last row
   if folded:
     return [(q, j, True) for i in range(num_q // 2) for q in (i, num_q - 1 - i)
@@ -110,6 +143,56 @@ def test_attention_hbm_bytes_replay_the_forward_grid(seq, folded):
             last[name] = index
   out_and_lse = case.batch * case.q_heads * num_q * t.block_q * (case.head_dim * 2 + 4)
   assert attention_estimate.hbm_bytes(case, t) == moved + out_and_lse
+
+
+@pytest.mark.parametrize("case", headline.DIFFUSION_ATTENTION, ids=lambda c: c.model)
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_non_causal_hbm_bytes_replay_the_forward_grid(case, chip):
+  """Every q block reads every kv block of the padded sequence (no fold, no skipped
+  step), plus the wrapper's pad / slice copies when S is not a block multiple."""
+  t = attention_estimate.tiling(case, chip)
+  grid = _forward_grid(case.seq, t.block_q, t.block_k, folded=False, causal=False)
+  assert all(runs for _, _, runs in grid)
+  num_q, num_k = -(-case.seq // t.block_q), -(-case.seq // t.block_k)
+  moved, last = 0, {}
+  for b in range(case.batch):
+    for h in range(case.heads):
+      for q, j, _ in grid:
+        for name, index, nbytes in (("q", (b, h, q), t.block_q * case.head_dim * 2),
+                                    ("k", (b, h, j), t.block_k * case.head_dim * 2),
+                                    ("v", (b, h, j), t.block_k * case.head_dim * 2)):
+          if last.get(name) != index:
+            moved += nbytes
+            last[name] = index
+  out_and_lse = case.batch * case.heads * num_q * t.block_q * (case.head_dim * 2 + 4)
+  assert attention_estimate.hbm_bytes(case, t) == moved + out_and_lse
+  # pad: read S, write S_p (q, k, v); slice: read S_p, write S (out)
+  q_p, k_p = num_q * t.block_q, num_k * t.block_k
+  tensor = case.batch * case.heads * case.head_dim * 2
+  copies = 2 * (case.seq + q_p) * tensor * (q_p != case.seq)
+  copies += 2 * (case.seq + k_p) * tensor * (k_p != case.seq)
+  assert attention_estimate.pad_copy_bytes(case, t) == copies
+  assert (copies == 0) == (case.seq % t.block_q == 0 and case.seq % t.block_k == 0)
+
+
+def test_long_non_causal_fit_is_exact_for_a_model(monkeypatch):
+  """Wan's 32760 tokens are rated at two shorter lengths with the same tail and fitted per
+  q block and per interior tile: a program whose cycles are exactly that is recovered."""
+  case = next(c for c in headline.DIFFUSION_ATTENTION if c.seq > attention_estimate.MAX_RATED_SEQ)
+  t = attention_estimate.tiling(case, "v6e")
+  rated = []
+
+  def model(seq, heads, case_, t_, chip):
+    rated.append(seq)
+    nq = -(-seq // t.block_q)
+    return 1000 + heads * (300 * nq + 7 * attention_estimate.interior_tiles(
+        seq, t.block_q, t.block_k, causal=False))
+  monkeypatch.setattr(attention_estimate, "_cycles", model)
+  row = attention_estimate.estimate(case, "v6e")
+  big = max(t.block_q, t.block_k)
+  assert {s % big for s in rated} == {case.seq % big} and max(rated) <= 8192
+  assert row["estimated_cycles"] == round(model(case.seq, case.heads, case, t, "v6e"))
+  assert "padded by the wrapper" in row["method"]
 
 
 def test_finish_row_and_targets(estimate):
