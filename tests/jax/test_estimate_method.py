@@ -190,7 +190,7 @@ def test_long_non_causal_fit_is_exact_for_a_model(monkeypatch):
   monkeypatch.setattr(attention_estimate, "_cycles", model)
   row = attention_estimate.estimate(case, "v6e")
   big = max(t.block_q, t.block_k)
-  assert {s % big for s in rated} == {case.seq % big} and max(rated) <= 8192
+  assert {s % big for s in rated} == {case.seq % big} and max(rated) <= 4096
   assert row["estimated_cycles"] == round(model(case.seq, case.heads, case, t, "v6e"))
   assert "padded by the wrapper" in row["method"]
 
