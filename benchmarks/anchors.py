@@ -773,12 +773,12 @@ class AttentionAnchor(_AttentionCase):
             "counted); blocks above the diagonal are grid steps with the compute skipped.")
 
   def config(self) -> dict:
-    b = self.block
-    if self.kind == "flash":
+    b, c = self.block, self.case
+    if self.kind == "flash":   # k / v repeated to every query head
       return dict(block_q=b, block_k_major=b, block_k=b, block_b=1, layout="BHSD",
-                  kv_heads_in_kernel=32)
-    return dict(block_q=b, block_kv=b, block_kv_compute=b, layout="HSD", kv_heads_in_kernel=8,
-                downcast_smem_data=True)
+                  kv_heads_in_kernel=c.q_heads)
+    return dict(block_q=b, block_kv=b, block_kv_compute=b, layout="HSD",
+                kv_heads_in_kernel=c.kv_heads, downcast_smem_data=True)
 
   # Splash's mask info for a causal mask (rows = the first `rows` q blocks, full kv), or
   # for a full mask (non-causal: every block full, data_next = j):
@@ -1006,7 +1006,7 @@ class TokamaxAttentionAnchor(_AttentionCase, _Tokamax):
   def config(self) -> dict:
     b = self.block
     return dict(block_q=b, block_kv=b, block_kv_compute=b, layout="HEAD_DIM_MINOR",
-                kv_heads_in_kernel=8, use_experimental_scheduler=True,
+                kv_heads_in_kernel=self.case.kv_heads, use_experimental_scheduler=True,
                 use_base2_exp="True (v5e) / False (v6e, see note)")
 
   # The causal block list (one head), as functions of the grid index g (jnp or int):

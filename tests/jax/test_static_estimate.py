@@ -82,3 +82,35 @@ def test_v5e_estimator_rates_a_k_tail():
   row = T._rate_in_child(key, (64, 768, 256), heuristic=False)   # 2048 = 2 x 768 + 512
   assert "error" not in row, row["error"]
   assert row["balanced"]["estimated_cycles"] > 0
+
+
+@pytest.mark.aot
+def test_non_causal_ragged_estimate_counts_the_pad():
+  """Our non-causal forward (benchmarks/attention_estimate.py) at a ragged length, as the
+  Diffusers rows rate it: it compiles and rates, its prediction is no faster than the
+  roofline, and its bytes include the wrapper's pad / slice copies. One child process
+  (the profile flag must precede libtpu), two small compiles."""
+  code = """
+import json, sys
+sys.path[:0] = [sys.argv[1] + '/benchmarks', sys.argv[1] + '/kernels']
+import tuning
+tuning.enable_static_profile()
+import attention_estimate as A, headline
+from tpu_kernels import chips
+case = headline.JointAttention('toy', seq=1000, heads=2, head_dim=128)
+row = A.estimate(case, 'v6e')
+t = A.tiling(case, 'v6e')
+row.update(roofline_us=headline.roofline_us(case, chips.get_chip('v6e')),
+           pad=A.pad_copy_bytes(case, t), kernel=A.hbm_bytes(case, t),
+           clock=chips.get_chip('v6e').clock_hz, bw=chips.get_chip('v6e').hbm_bytes_per_s)
+print(json.dumps(row))
+"""
+  result = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True,
+                          text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  row = json.loads(result.stdout.strip().splitlines()[-1])
+  assert row["compiled"] and row["estimated_cycles"] > 0
+  assert row["pad"] > 0 and row["hbm_bytes"] == row["kernel"] + row["pad"]
+  assert "padded by the wrapper" in row["method"]
+  predicted = max(row["estimated_cycles"] / row["clock"], row["hbm_bytes"] / row["bw"]) * 1e6
+  assert predicted >= row["roofline_us"] > 0
