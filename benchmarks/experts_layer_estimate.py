@@ -22,9 +22,21 @@ experts hit (`headline.ExpertsLayer.experts_hit`, the same as the roofline's). V
 by a group crossing a row-tile boundary under uneven routing are not counted (at most
 tiles - 1 more).
 
-Glue (route, combine): the same functions moe_experts calls, compiled for the chip with
-the static profile on: cycles from the estimate of every op, HBM bytes from XLA's own
-cost_analysis ("bytes accessed") of the same compiled program.
+Glue (route, combine; for gpt-oss at decode also the XLA gate after a plain gate/up
+kernel, the "xla_gate" route its interleaved columns take): the same functions moe_experts
+calls, compiled for the chip with the static profile on: cycles from the estimate of every
+op, HBM bytes from XLA's own cost_analysis ("bytes accessed") of the same program. On v6e
+the estimator returns INT64_MAX for the offloaded scatter-add that counts group sizes: that
+op counts by its bytes only.
+
+Each part is rated in its own child process (the estimator aborts processes), with one
+fallback where it aborts: a kernel at 8 rows (v5e's LLO type check) is rated at 16 rows;
+a glue part (v5e: "Static LLO profiling of scatter_custom_fusion failed") by XLA's
+cost_analysis, a lower bound (no per-op cost; ~1-2k cycles per op where the estimator
+sees them). Not modelled: gpt-oss's "split" route at prefill (NotImplementedError, a
+"not rated" row), gpt-oss's biases and its (E, k, n) weight layout (rated as (E, n, k)).
+
+    python benchmarks/experts_layer_estimate.py --summary    # the docs' breakdown table
 """
 
 from __future__ import annotations
@@ -318,7 +330,34 @@ def xla_program(case: headline.ExpertsLayer):
   return fn, specs
 
 
-if __name__ == "__main__":   # --part CASE CHIP PART [--fallback]: one part, one ROW line
+def summary(rows: list[dict]) -> str:
+  """The breakdown table of the docs from estimate.py's rows (estimates.jsonl)."""
+  lines = ["| model | T | chip | roofline µs | ours µs | efficiency | kernels µs | glue µs "
+           "| glue parts µs | lax.ragged_dot layer µs |", "|---|---:|---|---:|---:|---:|---:|---:|---|---:|"]
+  for r in rows:
+    if r["implementation"] != "pallas (whole layer)":
+      continue
+    case = headline.by_name(r["case"])
+    xla = next((o for o in rows if o["case"] == r["case"] and o["chip"] == r["chip"]
+                and o["source"] == "xla" and "predicted_us" in o), None)
+    xla_us = f"{xla['predicted_us']:,.0f}" if xla else "not rated"
+    head = f"| {case.model} | {case.tokens} | {r['chip']} | {r['roofline_us']:,.1f} "
+    if "predicted_us" not in r:
+      lines.append(head + f"| not rated: {r['error'][:120]} ||||| {xla_us} |")
+      continue
+    glue = ", ".join(f"{n.split(' (')[0]} {p['predicted_us']:,.1f}"
+                     + (" (cost_analysis)" if "first_attempt" in p and not is_kernel(n) else "")
+                     for n, p in r["breakdown"].items() if not is_kernel(n))
+    lines.append(head + f"| {r['predicted_us']:,.1f} | {r['efficiency']:.2f} "
+                 f"| {r['kernels_us']:,.1f} | {r['glue_us']:,.1f} | {glue} | {xla_us} |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  if sys.argv[1:] == ["--summary"]:   # the docs' table from benchmarks/results/estimates.jsonl
+    print(summary(tuning.read_log(Path(__file__).parent / "results" / "estimates.jsonl")))
+    sys.exit(0)
+  # --part CASE CHIP PART [--fallback]: one part in a child of `rate`, one ROW line
   _, flag, case_name, chip_name, part_name, *rest = sys.argv
   assert flag == "--part", sys.argv
   tuning.print_row(rate_part(headline.by_name(case_name), chip_name, part_name,

@@ -122,3 +122,19 @@ def test_estimate_dispatches_the_layer():
   impls = estimate.ours_and_xla(case)
   assert [i.source for i in impls] == [estimate.OURS, estimate.XLA]
   assert not impls[1].static_profile
+
+
+def test_summary_splits_kernels_and_glue():
+  case = headline.EXPERTS_LAYER[2]
+  parts = {"gate/up+silu kernel": dict(predicted_us=60.0),
+           "down kernel": dict(predicted_us=30.0),
+           "route (argsort, group sizes, gather)": dict(predicted_us=4.0, first_attempt="x"),
+           "combine (weights, unsort, sum over top-k)": dict(predicted_us=6.0)}
+  rows = [dict(case=case.name, implementation="pallas (whole layer)", source="ours",
+               chip="v6e", roofline_us=80.0, predicted_us=100.0, efficiency=0.8,
+               kernels_us=90.0, glue_us=10.0, breakdown=parts),
+          dict(case=case.name, implementation="xla (lax.ragged_dot layer)", source="xla",
+               chip="v6e", predicted_us=120.0)]
+  line = X.summary(rows).splitlines()[-1]
+  assert line == (f"| {case.model} | {case.tokens} | v6e | 80.0 | 100.0 | 0.80 | 90.0 | 10.0 "
+                  "| route 4.0 (cost_analysis), combine 6.0 | 120 |")
