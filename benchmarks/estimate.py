@@ -73,6 +73,7 @@ import jax  # noqa: E402
 from tpu_kernels import aot, chips, rms_norm  # noqa: E402
 
 import attention_estimate  # noqa: E402
+import experts_layer_estimate  # noqa: E402
 import headline  # noqa: E402
 import paged_estimate  # noqa: E402
 import ragged_estimate  # noqa: E402
@@ -204,6 +205,13 @@ def ours_and_xla(case) -> list[Implementation]:
         Implementation(name, "pallas", OURS, functools.partial(_paged_pallas, case)),
         Implementation(name, "xla (gather + softmax)", XLA, lambda chip: _xla_cost(
             lambda: paged_estimate.xla_program(case), chip), static_profile=False),
+    ]
+  if isinstance(case, headline.ExpertsLayer):   # the whole experts op (experts_layer_estimate)
+    return [
+        Implementation(name, "pallas (whole layer)", OURS, functools.partial(
+            experts_layer_estimate.rate, case)),
+        Implementation(name, "xla (lax.ragged_dot layer)", XLA, lambda chip: _xla_cost(
+            lambda: experts_layer_estimate.xla_program(case), chip), static_profile=False),
     ]
   raise TypeError(f"no rating for {type(case).__name__}")
 

@@ -75,11 +75,15 @@ class BalancedTable:
             R._ROW_END: group * r + r, R._RHS_GROUP: group, R._LHS_TILE: tile,
             R._K_PIN: -1 + 0 * v}[field]
 
-  def check(self, num_k_tiles: int) -> None:
-    """The closed form equals ragged_dot.group_metadata for concrete group sizes."""
+  def group_sizes(self) -> jax.Array:
+    """The routing this table is for: [groups] int32."""
     assert self.rows * self.groups == self.m
     _log2(self.rows), _log2(self.block_m)
-    sizes = jnp.full((self.groups,), self.rows, jnp.int32)
+    return jnp.full((self.groups,), self.rows, jnp.int32)
+
+  def check(self, num_k_tiles: int) -> None:
+    """The closed form equals ragged_dot.group_metadata for concrete group sizes."""
+    sizes = self.group_sizes()
     metadata = jax.jit(functools.partial(
         R.group_metadata, group_offset=0, num_local_groups=self.groups, m=self.m,
         block_m=self.block_m, num_k_tiles=num_k_tiles, zero_visits=True, interpret=True))
@@ -152,6 +156,11 @@ class GmmCase:
   chip: str
   dtype: str = "bfloat16"
   blocks: tuple[int, int, int] | None = None   # (block_m, block_k, block_n); None: the kernel's
+  out_dtype: str | None = None                 # None: dtype (the experts layer's down: float32)
+
+  @property
+  def out(self):
+    return jnp.dtype(self.out_dtype or self.dtype)
 
   @property
   def num_rhs(self) -> int:
@@ -161,7 +170,7 @@ class GmmCase:
     dt = jnp.dtype(self.dtype)
     block_m, block_k, block_n = self.blocks or (None, None, None)
     return R.gmm_tiling(self.m, self.k, self.n_out, num_groups=self.groups, lhs_dtype=dt,
-                        rhs_dtype=dt, out_dtype=dt, num_rhs=self.num_rhs,
+                        rhs_dtype=dt, out_dtype=self.out, num_rhs=self.num_rhs,
                         n_must_divide=self.n_out if self.gated else None, chip=self.chip,
                         block_m=block_m, block_k=block_k, block_n=block_n)
 
@@ -194,7 +203,7 @@ class GmmCase:
       metadata = lambda *args, **kwargs: (visit_table, jnp.int32(num_visits))
       with visible_table(table, num_v), mock.patch.object(R, "group_metadata", metadata):
         return R._gmm_call(lhs, ops, [], [], None, 0, t, n_out=self.n_out,
-                           transpose_rhs=True, epilogue=epilogue, out_dtype=lhs.dtype,
+                           transpose_rhs=True, epilogue=epilogue, out_dtype=self.out,
                            chip=self.chip, interpret=interpret, num_visits=num_visits)
 
     return fn
@@ -204,8 +213,8 @@ class GmmCase:
 
   def min_bytes(self) -> int:
     item = jnp.dtype(self.dtype).itemsize
-    return item * (self.m * self.k + self.groups * self.k * self.n_out * self.num_rhs +
-                   self.m * self.n_out)
+    return (item * (self.m * self.k + self.groups * self.k * self.n_out * self.num_rhs) +
+            self.out.itemsize * self.m * self.n_out)
 
   def hbm_bytes(self, num_visits: int | None = None) -> int:
     """Bytes the grid moves: replays (n tile, visit, k tile) through the index maps; a
@@ -230,7 +239,7 @@ class GmmCase:
           touch("lhs", (tile, kk), bm * bk * item)
           for r in range(self.num_rhs):
             touch(f"rhs{r}", (group, j, kk), bn * bk * item)
-        touch("out", (tile, j), bm * bn * item)   # written back when the block changes
+        touch("out", (tile, j), bm * bn * self.out.itemsize)   # written back when the block changes
     return moved
 
   def hand_cycles_per_visit(self, clock_hz, flops_per_s, hbm_bytes_per_s) -> float:

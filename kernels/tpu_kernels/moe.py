@@ -86,15 +86,9 @@ def moe_experts(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Ar
     raise ValueError(f"activation must be one of {GATED_ACTIVATIONS}, got {activation!r}")
   if activation not in ragged_dot.SUPPORTED_ACTIVATIONS and not has_gate:
     raise ValueError(f"activation {activation!r} needs a gate (has_gate=True)")
-  top_k = top_k_index.shape[1]
   kernel_args = dict(chip=chip, interpret=interpret)
 
-  # 1-3. flatten, sort by expert (placeholders to the tail), count per real expert.
-  expert_ids = top_k_index.reshape(-1).astype(jnp.int32)                 # [S]
-  perm = jnp.argsort(expert_ids, stable=True)                            # [S]
-  group_sizes = jnp.zeros((num_experts,), jnp.int32).at[expert_ids].add(1, mode="drop")
-  # 4. token rows in expert order.
-  x = jnp.take(hidden, perm // top_k, axis=0)                            # [S, H]
+  x, perm, group_sizes = route(hidden, top_k_index, num_experts)        # steps 1-4
 
   # 5. gate/up projection, activation fused.
   if has_gate:
@@ -115,9 +109,34 @@ def moe_experts(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Ar
   if y.shape[1] != hidden_size:
     raise ValueError(f"down_weight produces width {y.shape[1]}, hidden has {hidden_size}")
 
-  # 7. routing weights, back to token order, sum over the K experts of each token.
+  return combine(y, perm, top_k_weights).astype(hidden.dtype)            # step 7
+
+
+# The glue around the two kernels, as functions of their own so that the static estimate of
+# the whole layer (benchmarks/experts_layer_estimate.py) rates exactly these ops.
+
+
+def route(hidden: jax.Array, top_k_index: jax.Array, num_experts: int):
+  """Steps 1-4: hidden [T, H], top_k_index [T, K] int -> (x [S, H] hidden's dtype, the
+  token rows in expert order; perm [S] int32, sorted position -> pair index t * K + k;
+  group_sizes [num_experts] int32), S = T * K."""
+  top_k = top_k_index.shape[1]
+  # 1-3. flatten, sort by expert (placeholders to the tail), count per real expert.
+  expert_ids = top_k_index.reshape(-1).astype(jnp.int32)                 # [S]
+  perm = jnp.argsort(expert_ids, stable=True)                            # [S]
+  group_sizes = jnp.zeros((num_experts,), jnp.int32).at[expert_ids].add(1, mode="drop")
+  # 4. token rows in expert order.
+  x = jnp.take(hidden, perm // top_k, axis=0)                            # [S, H]
+  return x, perm, group_sizes
+
+
+def combine(y: jax.Array, perm: jax.Array, top_k_weights: jax.Array) -> jax.Array:
+  """Step 7: y [S, H] float32 (rows in expert order), perm [S] from `route`,
+  top_k_weights [T, K] -> [T, H] float32: routing weights applied, back to token order,
+  summed over the K experts of each token."""
+  tokens, top_k = top_k_weights.shape
   weights = jnp.take(top_k_weights.reshape(-1), perm).astype(jnp.float32)
   y = y * weights[:, None]
   inverse = jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
   y = jnp.take(y, inverse, axis=0)                                       # pair order
-  return y.reshape(tokens, top_k, hidden_size).sum(axis=1).astype(hidden.dtype)
+  return y.reshape(tokens, top_k, y.shape[1]).sum(axis=1)
