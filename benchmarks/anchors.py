@@ -1301,7 +1301,8 @@ def _specs_list():
     out += [TokamaxAttentionAnchor(seq, 128), TokamaxAttentionAnchor(seq, 512)]
   for ctx in (2048, 32768):
     out += [PagedAnchor(ctx), RaggedPagedAnchor(ctx)]
-  return out
+  import anchors_tpu_inference   # (here: it imports this module) tpu-inference 0.32.0's kernels
+  return out + anchors_tpu_inference.specs()
 
 
 @functools.cache
@@ -1310,7 +1311,9 @@ def _SPECS():
 
 
 def anchors() -> list[Anchor]:
-  return [Anchor(s.case.name, s.implementation, functools.partial(_rate, s))
+  """Every anchor; a spec with its own `rate` (tpu-inference's: it asks its child for its
+  config first) is rated by it, the others by `_rate`."""
+  return [Anchor(s.case.name, s.implementation, getattr(s, "rate", functools.partial(_rate, s)))
           for s in _specs_list()]
 
 
