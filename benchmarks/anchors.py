@@ -256,9 +256,12 @@ def _child(key: str, chip: str, trunc, profile: bool = True) -> dict:
   python = getattr(_SPECS()[key], "python", None)
   if python is not None and not Path(python).exists():
     raise RuntimeError(f"{python} is missing: scripts/setup.sh makes it")
+  env = tuning.child_env(ANCHOR_STATIC_PROFILE="1" if profile else "0")
+  if python is not None:   # another environment loads its own libtpu, not the one jax set here
+    env.pop("TPU_LIBRARY_PATH", None)
   rows, error = tuning.run_child(
       __file__, ["--child", key, chip, json.dumps(trunc)], timeout=CHILD_TIMEOUT_S,
-      env=tuning.child_env(ANCHOR_STATIC_PROFILE="1" if profile else "0"), python=python)
+      env=env, python=python)
   if error:
     raise RuntimeError(f"child {error} ({key} {chip} {trunc})")
   out = rows[-1]

@@ -92,6 +92,9 @@ def stand_ins(chip: str):
   import importlib.metadata
   assert importlib.metadata.version("tpu-inference") == VERSION
   assert f"jax {jax.__version__}" in STACK, jax.__version__
+  library = os.environ.get("TPU_LIBRARY_PATH")
+  if library and not library.startswith(sys.prefix):   # libtpu 0.0.48 or nothing
+    raise RuntimeError(f"TPU_LIBRARY_PATH={library} is another environment's libtpu")
   package_dir = Path(found.submodule_search_locations[0])
   if "tpu_inference" not in sys.modules:
     package = types.ModuleType("tpu_inference")
@@ -153,8 +156,10 @@ def _frozen(config: dict) -> tuple:
 def _chosen_in_child(key: str, chip: str) -> tuple:
   if not _TpuInference.python.exists():
     raise RuntimeError(f"{_TpuInference.python} is missing: scripts/setup.sh makes it")
-  rows, error = tuning.run_child(__file__, ["--choose", key, chip], timeout=300,
-                                 env=tuning.child_env(), python=_TpuInference.python)
+  env = tuning.child_env()
+  env.pop("TPU_LIBRARY_PATH", None)   # set by this process's jax: its libtpu, not the venv's
+  rows, error = tuning.run_child(__file__, ["--choose", key, chip], timeout=300, env=env,
+                                 python=_TpuInference.python)
   if error:
     raise RuntimeError(f"--choose {key} {chip}: {error}")
   return _frozen(rows[-1])
@@ -181,7 +186,13 @@ def rate_resolved(spec, chip: str) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class GmmSpec(_TpuInference):
-  case: headline.GroupedMatmul
+  """megablox gmm on a grouped-matmul case (attributes m, part, groups, k, n_weight, n_out,
+  and optionally weight_dtype: int8 / float8_e4m3fn weights go in with gmm's rhs_scale, one
+  f32 scale per output channel ([G, 1, 1, n]), its own dequantising path). Balanced routing
+  (anchors.GmmClosedForm, checked against tpu-inference's make_group_metadata in the child).
+  bf16 output."""
+
+  case: object
   chosen: tuple | None = None
 
   @property
@@ -189,41 +200,53 @@ class GmmSpec(_TpuInference):
     return f"tpu-inference-gmm:{self.case.name}"
 
   @property
+  def weight_dtype(self) -> str:
+    return getattr(self.case, "weight_dtype", "bfloat16")
+
+  @property
+  def quantized(self) -> bool:
+    return self.weight_dtype != "bfloat16"
+
+  @property
   def implementation(self) -> str:
-    return f"tpu-inference megablox gmm (tpu-inference {VERSION}, {STACK}, its tuned tiling)"
+    scale = ", per-channel rhs_scale" if self.quantized else ""
+    return (f"tpu-inference megablox gmm (tpu-inference {VERSION}, {STACK}, its tuned "
+            f"tiling{scale})")
 
   @property
   def tiling(self) -> tuple[int, int, int]:
     return tuple(self.get("tiling"))
 
-  def _jax_twin(self) -> anchors.GmmAnchor:
-    """jax's megablox anchor at this tiling: the same grid, index maps and metadata."""
-    c = self.case
-    tm, tk, tn = self.tiling
-    twin = anchors.GmmAnchor(c.m, c.part, f"{tm}x{tk}x{tn}", c.groups)
-    assert (twin.case, twin.tiling) == (c, (tm, tk, tn)), (twin.case, twin.tiling)
-    return twin
+  @property
+  def closed_form(self) -> anchors.GmmClosedForm:
+    return anchors.GmmClosedForm(self.case.m, self.case.groups, self.tiling[0])
 
   truncations = anchors.GmmAnchor.truncations
 
   @property
   def method(self) -> str:
-    if not self.chosen:
-      return "static estimate of the gmm kernel (its tiling not resolved)"
-    return self._jax_twin().method
+    (v1, v2) = anchors.GMM_TRUNCATED_VISITS
+    tiles = self.closed_form.num_tiles if self.chosen else "all"
+    return (f"static estimate of the gmm kernel at {v1} and {v2} active m-tiles (static grid, "
+            f"metadata made visible as for jax's megablox), extrapolated linearly to {tiles}")
 
   @property
   def note(self) -> str:
-    return anchors.GmmAnchor(self.case.m, self.case.part, "default").note.replace(
-        "not fused in gmm", "not fused in this gmm (its fused gate/up lives in fused_moe)")
+    gate = (" gate_up: plain matmul to [m, 2 * width]; the gated unit is not fused in this "
+            "gmm (tpu-inference fuses it in fused_moe), its extra pass not counted."
+            if self.case.part.startswith("gate_up") else "")
+    return ("Balanced routing; rhs in gmm's [G, k, n] layout; bf16 output; the XLA ops of "
+            "make_group_metadata are not rated (the metadata is an input). Tiling: its "
+            "get_tuned_block_sizes (config says whether the case has a tuned entry or took "
+            "its default)." + gate)
 
   def choose(self, chip: str) -> dict:
     c = self.case
     T = kernel_module("megablox.tuned_block_sizes")
-    key = (c.m, c.k, c.n_weight, c.groups, c.groups, "bfloat16", "bfloat16", c.k)
+    key = (c.m, c.k, c.n_weight, c.groups, c.groups, "bfloat16", self.weight_dtype, c.k)
     tiling = T.get_tuned_block_sizes(*key)
     return dict(tiling=list(tiling), tuned_entry=key in T.TUNED_BLOCK_SIZES,
-                m=c.m, k=c.k, n=c.n_weight, groups=c.groups)
+                m=c.m, k=c.k, n=c.n_weight, groups=c.groups, weight_dtype=self.weight_dtype)
 
   def build(self, trunc, chip: str = "v6e"):
     (visits,) = trunc
@@ -231,8 +254,8 @@ class GmmSpec(_TpuInference):
     import jax.numpy as jnp
     G = kernel_module("megablox.gmm")
     spec = dataclasses.replace(self, chosen=_frozen(self.config_for(chip)))
-    twin = spec._jax_twin()
-    cf = twin.closed_form
+    cf = spec.closed_form
+
     def as_tuple(metadata, num_tiles):   # (its GroupMetadata is a dataclass, not a tuple)
       return (metadata.group_offsets, metadata.group_ids, metadata.m_tile_ids), num_tiles
     cf.check(lambda **kw: as_tuple(*G.make_group_metadata(**kw)))
@@ -240,25 +263,49 @@ class GmmSpec(_TpuInference):
     num_meta = c.m // cf.tm + c.groups - 1
     forms = (G.GroupMetadata(cf.group_offset, cf.group_id, cf.m_tile_id), None)
 
-    def fn(lhs, rhs, offsets, gids, mtiles):
+    def fn(lhs, rhs, offsets, gids, mtiles, *scale):
       metadata = lambda **kw: (G.GroupMetadata(offsets, gids, mtiles), visits)
       with anchors.visible_prefetch(G, forms), mock.patch.object(G, "make_group_metadata",
                                                                  metadata):
         return G.gmm(lhs, rhs, jnp.zeros((c.groups,), jnp.int32),
-                     preferred_element_type=jnp.bfloat16, tiling=spec.tiling)
+                     preferred_element_type=jnp.bfloat16, tiling=spec.tiling,
+                     rhs_scale=scale[0] if scale else None)
     S = jax.ShapeDtypeStruct
-    return fn, [S((c.m, c.k), jnp.bfloat16), S((c.groups, c.k, c.n_weight), jnp.bfloat16),
-                S((c.groups + 1,), jnp.int32), S((num_meta,), jnp.int32),
-                S((num_meta,), jnp.int32)]
+    specs = [S((c.m, c.k), jnp.bfloat16), S((c.groups, c.k, c.n_weight), self.weight_dtype),
+             S((c.groups + 1,), jnp.int32), S((num_meta,), jnp.int32),
+             S((num_meta,), jnp.int32)]
+    if self.quantized:
+      specs.append(S((c.groups, 1, 1, c.n_weight), jnp.float32))
+    return fn, specs
 
   def extrapolate(self, cycles: dict) -> float:
-    return self._jax_twin().extrapolate(cycles)
+    (v1, v2) = anchors.GMM_TRUNCATED_VISITS
+    k1, k2 = cycles[json.dumps([v1])], cycles[json.dumps([v2])]
+    return k1 + (k2 - k1) / (v2 - v1) * (self.closed_form.num_tiles - v1)
 
   def hbm_bytes(self) -> int:
-    return self._jax_twin().hbm_bytes()
+    """Replay of the grid (n tiles, active m tiles, k tiles) through its index maps (the same
+    as jax's megablox: lhs by m tile, rhs and its scale by group, out by m tile)."""
+    c, cf = self.case, self.closed_form
+    tm, tk, tn = self.tiling
+    w = headline.ITEMSIZE[self.weight_dtype]
+    n_tiles, k_tiles = -(-c.n_weight // tn), -(-c.k // tk)
+    steps = ((j, v, kk) for j in range(n_tiles) for v in range(cf.num_tiles)
+             for kk in range(k_tiles))
+    blocks = [("lhs", lambda j, v, kk: (cf.m_tile_id(v), kk), tm * tk * 2),
+              ("rhs", lambda j, v, kk: (cf.group_id(v), kk, j), tk * tn * w),
+              ("out", lambda j, v, kk: (cf.m_tile_id(v), j), tm * tn * 2)]
+    if self.quantized:
+      blocks.append(("scale", lambda j, v, kk: (cf.group_id(v), j), tn * 4))
+    return anchors.replay(steps, blocks)
 
   def hand(self, chip) -> dict:
-    return self._jax_twin().hand(chip)
+    c, cf = self.case, self.closed_form
+    flops = 2 * self.tiling[0] * c.k * c.n_weight * cf.num_tiles
+    return dict(hand_mxu_flops=flops, hand_us=max(flops / chip.bf16_flops_per_s,
+                                                  self.hbm_bytes() / chip.hbm_bytes_per_s) * 1e6,
+                hand_count=f"{cf.num_tiles} tiles x 2*tm*k*n flops at bf16 peak vs replayed "
+                           "bytes at HBM bandwidth")
 
 
 # ----------------------------------------------------------------------------------------
@@ -373,8 +420,8 @@ class RpaV3Spec(_TpuInference):
   an empty range). Its kernel has grid (1,) and loops over the sequences (pl.loop between SMEM
   values of `distribution`) and each sequence's kv blocks (up to cdiv(kv_lens[s], bkv_sz)),
   which the estimator reads as 0; here those reads are constants of the batch ("const":
-  distribution -> batch, kv_lens -> context, cu_q_lens[i] -> i), page-table reads
-  max(value, identity). Its SMEM state carried between iterations (semaphore / buffer ids) is
+  distribution -> batch, kv_lens -> context); cu_q_lens[i] and page-table reads yield
+  max(value, i) (the batch's values: one token a sequence, pages in order). Its SMEM state carried between iterations (semaphore / buffer ids) is
   left alone (read as 0 by the estimator)."""
 
   case: headline.PagedDecode
@@ -446,7 +493,9 @@ class RpaV3Spec(_TpuInference):
     chosen = self.config_for(chip)
     c = self.case
     pages_per_seq = context // c.page_size
-    forms = (("const", lambda s: np.int32(context)), lambda i: i, ("const", lambda i: i),
+    # Loop bounds (kv_lens, distribution) as constants; cu_q_lens as max(value, i): a constant
+    # would make the never-taken prefetch of sequence `batch` a static out-of-bounds slice.
+    forms = (("const", lambda s: np.int32(context)), lambda i: i, lambda i: i,
              ("const", lambda i: np.int32(c.batch)), None, None, None)
     kv_cache_shape = K.get_kv_cache_shape(c.batch * pages_per_seq, c.page_size, c.kv_heads,
                                           c.head_dim, jnp.bfloat16)
@@ -485,11 +534,154 @@ class RpaV3Spec(_TpuInference):
 
 
 # ----------------------------------------------------------------------------------------
+# fused_moe v1 (the whole experts layer: routing, gather, gate/up, act, down, combine)
+
+
+class _ScratchView:
+  """An SMEM scratch ref whose element reads yield `closed_form(*idx)` (a constant of the
+  batch); everything else (.at for DMAs, writes, shape) is the ref's own."""
+
+  def __init__(self, ref, closed_form):
+    self._ref, self._closed_form = ref, closed_form
+
+  def __getitem__(self, idx):
+    return self._closed_form(*(idx if isinstance(idx, tuple) else (idx,)))
+
+  def __setitem__(self, idx, value):
+    self._ref[idx] = value
+
+  def __getattr__(self, name):
+    return getattr(self._ref, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedMoeSpec(_TpuInference):
+  """fused_ep_moe on one chip (a 1 x 1 mesh, expert parallelism of 1) for an experts-layer
+  case (attributes tokens, experts, top_k, hidden, width): gating [T, E] in, top-k routing,
+  scatter, gate/up + silu, down and the weighted combine in one kernel.
+
+  It computes the routing in the kernel and keeps it in SMEM scratch, which the estimator
+  reads as 0 (every expert empty: no matmul rated). Here the reads of that scratch yield the
+  batch's values under round-robin routing (token t's k-th expert (t * top_k + k) % E, so
+  each expert gets ceil(T * top_k / E) rows: exact when E divides T * top_k, an upper bound
+  otherwise): t2e_routing, expert_starts (e * rows), expert_sizes and d2e_count (rows). Its
+  own writes still happen; a2a_s_sends (remote sends: 0 on one chip) is left alone."""
+
+  case: object
+  chosen: tuple | None = None
+
+  @property
+  def key(self) -> str:
+    return f"tpu-inference-fused-moe:{self.case.name}"
+
+  @property
+  def implementation(self) -> str:
+    return (f"tpu-inference fused_moe v1 (tpu-inference {VERSION}, {STACK}, its block sizes, "
+            f"1-chip mesh, round-robin routing)")
+
+  truncations = ([0],)
+
+  method = "static estimate of the whole kernel (one compile, no extrapolation)"
+
+  @property
+  def note(self) -> str:
+    return ("Routing read from SMEM as round-robin closed forms (see FusedMoeSpec); gating "
+            "[T, E] bf16 in, softmax scoring; no renormalisation of the top-k weights; "
+            "every expert's weights are fetched whether routed to or not (the kernel's loop "
+            "over local experts fetches unconditionally)")
+
+  @property
+  def rows_per_expert(self) -> int:
+    c = self.case
+    return -(-c.tokens * c.top_k // c.experts)
+
+  def _specs(self):
+    import jax
+    import jax.numpy as jnp
+    c = self.case
+    S = jax.ShapeDtypeStruct
+    return [S((c.tokens, c.hidden), jnp.bfloat16),
+            S((c.experts, 2, c.hidden, c.width), jnp.bfloat16),
+            S((c.experts, c.width, c.hidden), jnp.bfloat16),
+            S((c.tokens, c.experts), jnp.bfloat16)]
+
+  def _mesh(self, chip: str):
+    import jax
+    import numpy as np
+    from tpu_kernels import aot
+    return jax.sharding.Mesh(np.array([[aot.topology_device(chip)]]), ("data", "model"))
+
+  def choose(self, chip: str) -> dict:
+    """The block sizes fused_ep_moe settles on for the case (its tuned table or default, then
+    its overrides), read from the kernel it builds (traced, not compiled)."""
+    import jax
+    M = kernel_module("fused_moe.v1.kernel")
+    picked = {}
+    real = M._fused_ep_moe_kernel
+
+    def capture(*args, **kw):
+      picked.update({k: kw[k] for k in ("bt", "bf", "bd1", "bd2", "btc", "bfc", "bd1c", "bd2c")})
+      return real(*args, **kw)
+    with mock.patch.object(M, "_fused_ep_moe_kernel", capture):
+      jax.jit(lambda *a: M.fused_ep_moe(self._mesh(chip), *a, self.case.top_k)).trace(
+          *self._specs())
+    return picked
+
+  def build(self, trunc, chip: str = "v6e"):
+    import inspect
+    import jax
+    import jax.numpy as jnp
+    M = kernel_module("fused_moe.v1.kernel")
+    c, rows = self.case, self.rows_per_expert
+    chosen = self.config_for(chip)
+    forms = {
+        "t2e_routing_x2_smem": lambda b, t, k: (t * c.top_k + k) % c.experts,
+        "expert_starts_x2_smem": lambda b, z, e: e * rows,
+        "expert_sizes_x2_smem": lambda b, z, e: jnp.int32(rows),
+        "d2e_count_x2_smem": lambda b, d, z, e: jnp.int32(rows),
+    }
+    real = M._fused_ep_moe_kernel
+    signature = inspect.signature(real)
+
+    def visible_kernel(*args, **kw):
+      bound = signature.bind(*args, **kw)
+      for name, form in forms.items():
+        bound.arguments[name] = _ScratchView(bound.arguments[name], form)
+      return real(*bound.args, **bound.kwargs)
+
+    def fn(tokens, w1, w2, gating):
+      with mock.patch.object(M, "_fused_ep_moe_kernel", visible_kernel):
+        return M.fused_ep_moe(self._mesh(chip), tokens, w1, w2, gating, c.top_k, **chosen)
+    return fn, self._specs()
+
+  def extrapolate(self, cycles: dict) -> float:
+    (value,) = cycles.values()
+    return value
+
+  def hbm_bytes(self) -> int:
+    """Per block of bt tokens: every expert's w1 (gate and up) and w2; the block's gating;
+    each routed row read from the tokens (scatter), written to and read back from its HBM
+    staging buffer (gather); the output written once."""
+    c = self.case
+    blocks = -(-c.tokens // self.get("bt"))
+    weights = blocks * c.experts * 3 * c.hidden * c.width * 2
+    routed = c.tokens * c.top_k * c.hidden * 2
+    return weights + c.tokens * c.experts * 2 + 3 * routed + c.tokens * c.hidden * 2
+
+  def hand(self, chip) -> dict:
+    c = self.case
+    flops = 2 * c.experts * self.rows_per_expert * 3 * c.hidden * c.width
+    return dict(hand_us=max(flops / chip.bf16_flops_per_s,
+                            self.hbm_bytes() / chip.hbm_bytes_per_s) * 1e6,
+                hand_count="every expert's weights per token block at HBM bandwidth vs the "
+                           "routed rows' flops at bf16 peak")
+
+
+# ----------------------------------------------------------------------------------------
 # The map from cases to specs
 
 
 NOT_RATED = {
-    "fused_moe v1": "not rated yet: see docs/performance.md (tpu-inference)",
     "quantized_matmul": "a dense [m, k] x [n, k] int8/fp8 matmul with per-channel scales: it "
                         "has no expert (group) dimension, so it does not apply to the grouped "
                         "expert projections; tpu-inference's quantized experts go through "
@@ -505,7 +697,13 @@ def specs_for(case) -> list:
     return [FlashSpec(case)]
   if isinstance(case, headline.PagedDecode):
     return [RpaV3Spec(case)]
+  if all(hasattr(case, a) for a in EXPERTS_LAYER_FIELDS):   # the whole experts layer
+    return [FusedMoeSpec(case)]
   return []
+
+
+# What an experts-layer case (headline.EXPERTS_LAYER's class) offers fused_moe.
+EXPERTS_LAYER_FIELDS = ("tokens", "experts", "top_k", "hidden", "width")
 
 
 def specs() -> list:
