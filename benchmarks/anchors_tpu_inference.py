@@ -27,7 +27,10 @@ answers with the AOT target device.
     sequences and kv blocks bounded by SMEM values (distribution, kv_lens, cu_q_lens), so they
     read the batch's values as constants (static-length variant, like anchors.RaggedPagedAnchor).
 
-Not rated (`NOT_RATED`): fused_moe v1 and quantized_matmul, see there.
+  * fused_moe v1 (`FusedMoeSpec`, experts-layer cases): see there.
+
+quantized_matmul does not apply (`NOT_RATED`). Where the estimator aborts or a compile runs
+out of time, the row says so (docs/performance.md, tpu-inference: RPA v3 and fused_moe).
 """
 
 from __future__ import annotations
