@@ -256,9 +256,12 @@ def _child(key: str, chip: str, trunc, profile: bool = True) -> dict:
   python = getattr(_SPECS()[key], "python", None)
   if python is not None and not Path(python).exists():
     raise RuntimeError(f"{python} is missing: scripts/setup.sh makes it")
+  env = tuning.child_env(ANCHOR_STATIC_PROFILE="1" if profile else "0")
+  if python is not None:   # another environment loads its own libtpu, not the one jax set here
+    env.pop("TPU_LIBRARY_PATH", None)
   rows, error = tuning.run_child(
       __file__, ["--child", key, chip, json.dumps(trunc)], timeout=CHILD_TIMEOUT_S,
-      env=tuning.child_env(ANCHOR_STATIC_PROFILE="1" if profile else "0"), python=python)
+      env=env, python=python)
   if error:
     raise RuntimeError(f"child {error} ({key} {chip} {trunc})")
   out = rows[-1]
@@ -1408,7 +1411,8 @@ def _specs_list():
               TokamaxAttentionAnchor(case.seq, block, joint=case)]
   for ctx in (2048, 32768):
     out += [PagedAnchor(ctx), RaggedPagedAnchor(ctx)]
-  return out
+  import anchors_tpu_inference   # (here: it imports this module) tpu-inference 0.32.0's kernels
+  return out + anchors_tpu_inference.specs()
 
 
 @functools.cache
@@ -1417,7 +1421,9 @@ def _SPECS():
 
 
 def anchors() -> list[Anchor]:
-  return [Anchor(s.case.name, s.implementation, functools.partial(_rate, s))
+  """Every anchor; a spec with its own `rate` (tpu-inference's: it asks its child for its
+  config first) is rated by it, the others by `_rate`."""
+  return [Anchor(s.case.name, s.implementation, getattr(s, "rate", functools.partial(_rate, s)))
           for s in _specs_list()]
 
 

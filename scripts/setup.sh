@@ -11,6 +11,9 @@
 #                   libtpu): only benchmarks/anchors.py's tokamax children run there
 #   .venv-tokamax-jax012/  Python 3.12, requirements-tokamax-jax012.txt (tokamax 0.0.17 on the
 #                   TorchTPU stack): the same, for anchors.py run from .venv-jax012
+#   .venv-tpu-inference/  Python 3.12, requirements-tpu-inference.txt (tpu-inference 0.32.0, vLLM's
+#                   TPU kernels, on the jax 0.11.2 / libtpu 0.0.48 it pins), installed --no-deps:
+#                   only benchmarks/anchors_tpu_inference.py's children run there (from either stack)
 #
 # Only `pip install` reaches the network (the package index). Everything after it runs with
 # JAX_PLATFORMS=cpu and, where this user may, with the network cut (`unshare -n`).
@@ -18,8 +21,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 
-make_venv() {  # make_venv DIR PYTHON_VERSION LOCKFILE
-  local dir=$1 version=$2 lock=$3 python stamp
+make_venv() {  # make_venv DIR PYTHON_VERSION LOCKFILE [NO_DEPS_PACKAGE]
+  # NO_DEPS_PACKAGE: install the lock with --no-deps (it pins everything that runs); pip check
+  # then tolerates that one package's declared requirements that the lock leaves out.
+  local dir=$1 version=$2 lock=$3 no_deps=${4:-} python stamp problems
   stamp="$(sha256sum "$lock" | cut -c1-16)-$version"
   if [[ -f "$dir/.installed" && "$(cat "$dir/.installed")" == "$stamp" ]]; then
     echo "== $dir is up to date ($lock)"
@@ -30,9 +35,14 @@ make_venv() {  # make_venv DIR PYTHON_VERSION LOCKFILE
   rm -rf "$dir"
   "$python" -m venv "$dir"
   # (grep drops pip's warnings about this machine's local index mirrors lacking a package)
-  "$dir/bin/python" -m pip install --quiet --disable-pip-version-check --no-input -r "$lock" \
-    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-  "$dir/bin/python" -m pip check
+  "$dir/bin/python" -m pip install --quiet --disable-pip-version-check --no-input \
+    ${no_deps:+--no-deps} -r "$lock" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  if [[ -z $no_deps ]]; then
+    "$dir/bin/python" -m pip check
+  else
+    problems=$("$dir/bin/python" -m pip check | grep -v -i "^$no_deps " || true)
+    if [[ -n $problems ]]; then echo "$problems" >&2; return 1; fi
+  fi
   echo "$stamp" > "$dir/.installed"
 }
 
@@ -41,6 +51,7 @@ make_venv .venv-jax012 3.12 requirements-jax012.txt
 make_venv .venv-torchtpu 3.11 requirements-torchtpu.txt
 make_venv .venv-tokamax 3.11 requirements-tokamax.txt
 make_venv .venv-tokamax-jax012 3.12 requirements-tokamax-jax012.txt
+make_venv .venv-tpu-inference 3.12 requirements-tpu-inference.txt tpu-inference
 
 echo "== main job (builds every kernel repo into dist/, then runs them)"
 without_libtpu_noise offline .venv/bin/python scripts/demo.py

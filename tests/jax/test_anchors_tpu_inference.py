@@ -1,0 +1,154 @@
+"""benchmarks/anchors_tpu_inference.py: tpu-inference 0.32.0's kernels as anchors.
+
+Default profile: the map from cases to specs and their arithmetic (no venv), plus one child in
+.venv-tpu-inference that imports the kernels through the stand-ins and compiles the gmm spec
+for v6e (plain compile), checking its closed form against tpu-inference's own
+make_group_metadata (~15 s). HYPOTHESIS_PROFILE=thorough also compiles the flash and RPA v3
+specs there (no static profile: the estimates come from `benchmarks/estimate.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "kernels"))
+
+import anchors  # noqa: E402
+import anchors_tpu_inference as T  # noqa: E402
+import headline  # noqa: E402
+
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+
+
+def test_every_headline_case_but_rms_norm_has_a_tpu_inference_anchor():
+  listed = {a.case: a for a in anchors.anchors() if a.implementation.startswith("tpu-inference")}
+  for case in headline.HEADLINE:
+    specs = T.specs_for(case)
+    assert (case.name in listed) == (not isinstance(case, headline.RmsNorm)) == bool(specs)
+    for s in specs:
+      assert f"tpu-inference {T.VERSION}" in s.implementation and s.case == case
+  assert len({s.key for s in T.specs()}) == len(T.specs())
+  assert set(T.NOT_RATED) == {"quantized_matmul"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertsLayer:   # what an experts-layer case offers (headline.EXPERTS_LAYER's class)
+  tokens: int
+  experts: int = 128
+  top_k: int = 8
+  hidden: int = 2048
+  width: int = 768
+  name: str = "experts layer"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Int8Gmm(headline.GroupedMatmul):   # a grouped matmul with int8 weights
+  weight_dtype: str = "int8"
+
+
+def test_fused_moe_spec_for_an_experts_layer_case():
+  """Rated on any case with tokens / experts / top_k / hidden / width; round-robin routing
+  gives ceil(T * top_k / E) rows an expert; every expert's weights once per token block."""
+  (spec,) = T.specs_for(_ExpertsLayer(64))
+  assert isinstance(spec, T.FusedMoeSpec) and spec.rows_per_expert == 4
+  assert T.FusedMoeSpec(_ExpertsLayer(1)).rows_per_expert == 1
+  routing = [(t * 8 + k) % 128 for t in range(64) for k in range(8)]
+  assert all(routing.count(e) == 4 for e in range(128))
+  c = spec.case
+  spec = T.FusedMoeSpec(c, T._frozen(dict(bt=64)))
+  assert spec.hbm_bytes() == (128 * 3 * 2048 * 768 * 2 + 64 * 128 * 2 + 3 * 64 * 8 * 2048 * 2
+                              + 64 * 2048 * 2)
+
+
+def test_gmm_spec_int8_weights_bytes():
+  """int8 weights: the bf16 replay's weight blocks at one byte, plus one f32 scale row of tn
+  per (group, n tile) visit."""
+  case = _Int8Gmm(512, "down")
+  config = T._frozen(dict(tiling=[128, 768, 2048]))
+  int8, bf16 = T.GmmSpec(case, config), T.GmmSpec(headline.GroupedMatmul(512, "down"), config)
+  assert int8.quantized and "rhs_scale" in int8.implementation and not bf16.quantized
+  tiles = int8.closed_form.num_tiles          # one n tile, one k tile: a new group each visit
+  assert tiles == 128
+  assert bf16.hbm_bytes() - int8.hbm_bytes() == tiles * 768 * 2048 * 1 - tiles * 2048 * 4
+
+
+def test_gmm_spec_is_jax_megablox_at_its_tiling():
+  """The same algorithm and index maps as jax's megablox: bytes and extrapolation are its."""
+  case = headline.GroupedMatmul(512, "down")
+  spec = T.GmmSpec(case, T._frozen(dict(tiling=[128, 768, 2048])))
+  twin = anchors.GmmAnchor(512, "down", "128x768x2048")
+  assert spec.hbm_bytes() == twin.hbm_bytes()
+  model = {json.dumps([v]): 100 + 7 * v for v in anchors.GMM_TRUNCATED_VISITS}
+  assert spec.extrapolate(model) == 100 + 7 * twin.closed_form.num_tiles
+  with pytest.raises(RuntimeError, match="not resolved"):
+    T.GmmSpec(case).tiling
+
+
+def test_flash_spec_bytes_replay_by_hand():
+  """Single step (block_k = S): per head q and o once, k and v once; plus the k/v repeat.
+  128 blocks: the causal replay (kv block j on or below the diagonal, else 0)."""
+  case = headline.Attention(1024)
+  c = case
+  one = T.FlashSpec(case, T._frozen(dict(block_q=128, block_k_major=1024, block_k=1024,
+                                         block_b=1, vmem_limit_bytes=None)))
+  repeat = 2 * (c.kv_heads + c.q_heads) * c.seq * c.head_dim * 2
+  assert one.hbm_bytes() == c.q_heads * 4 * c.seq * c.head_dim * 2 + repeat
+  tiled = T.FlashSpec(case, T._frozen(dict(block_q=128, block_k_major=128, block_k=128,
+                                           block_b=1, vmem_limit_bytes=None)))
+  n, blk = 8, 128 * c.head_dim * 2
+  moved, last = 0, {}
+  for i in range(n):
+    for j in range(n):
+      kv = j if j <= i else 0
+      for name, idx in (("q", i), ("k", kv), ("v", kv), ("o", i)):
+        if last.get(name) != idx:
+          moved, last[name] = moved + blk, idx
+  assert tiled.hbm_bytes() == c.q_heads * moved + repeat
+  model = {json.dumps([h]): 11 + 5 * h for h in T.FLASH_HEADS}
+  assert one.extrapolate(model) == 11 + 5 * c.q_heads
+
+
+def test_rpa_v3_truncations_extrapolation_and_bytes():
+  for context, blocks in ((2048, 1), (32768, 8)):
+    case = headline.PagedDecode(context)
+    spec = T.RpaV3Spec(case, T._frozen(dict(d_block_sizes=[1, min(context, 4096), 1,
+                                                           min(context, 4096)], page_size=64)))
+    assert spec.kv_blocks() == blocks
+    model = {json.dumps(t): 9 + 13 * spec.kv_blocks(t[0]) for t in spec.truncations}
+    assert spec.extrapolate(model) == 9 + 13 * blocks
+    c = case
+    assert spec.hbm_bytes() == (2 * c.batch * c.kv_heads * c.context * c.head_dim * 2
+                                + 2 * c.batch * c.q_heads * c.head_dim * 2)
+  assert [t[0] for t in T.RpaV3Spec(headline.PagedDecode(32768), T._frozen(dict(
+      d_block_sizes=[1, 4096, 1, 4096]))).truncations] == [4096, 8192]
+
+
+def _compiles_in_the_venv(spec, trunc_of) -> dict:
+  assert T.VENV.exists(), "scripts/setup.sh makes .venv-tpu-inference"
+  resolved = T.resolved(spec, "v6e")     # the kernel's own choice, asked in the venv
+  return anchors._child(resolved.key, "v6e", trunc_of(resolved), profile=False)
+
+
+def test_gmm_spec_compiles_in_its_venv_and_its_closed_form_holds():
+  """Imports tpu-inference's megablox through the stand-ins, checks the closed form against
+  its make_group_metadata (in `build`), compiles for v6e: one Mosaic kernel."""
+  spec = T.specs_for(headline.GroupedMatmul(512, "down"))[0]
+  out = _compiles_in_the_venv(spec, lambda s: [2])
+  assert out["kernels"] == 1
+
+
+@pytest.mark.skipif(not THOROUGH, reason="thorough profile only (~30 s of compiles)")
+@pytest.mark.parametrize("case,kernels", [(headline.Attention(4096), 1),
+                                          (headline.PagedDecode(2048), 2)])
+def test_flash_and_rpa_v3_specs_compile_in_their_venv(case, kernels):
+  """RPA v3 runs its decode kernel and its (here empty) mixed kernel: two Mosaic kernels."""
+  (spec,) = T.specs_for(case)
+  out = _compiles_in_the_venv(spec, lambda s: s.truncations[0])
+  assert out["kernels"] == kernels
