@@ -215,7 +215,8 @@ def target_chip(chip: str):
   DMA tiling does); the host here is a CPU: answer for the target chip."""
   import importlib
   from jax._src.pallas.mosaic import tpu_info
-  version = {"v5e": tpu_info.ChipVersion.TPU_V5E, "v6e": tpu_info.ChipVersion.TPU_V6E}[chip]
+  version = {"v5e": tpu_info.ChipVersion.TPU_V5E, "v6e": tpu_info.ChipVersion.TPU_V6E,
+             "v5p": tpu_info.ChipVersion.TPU_V5P}[chip]   # v5p: calibration.py's tokamax rows
   # jax 0.10: _get_tpu_info_impl; jax 0.12 names it get_tpu_info_for_chip.
   for_chip = getattr(tpu_info, "get_tpu_info_for_chip", None) or tpu_info._get_tpu_info_impl
   modules = [tpu_info]

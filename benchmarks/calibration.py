@@ -78,8 +78,9 @@ FAMILY_FILES = {
     "ragged_dot_v2": "pallas_mosaic_tpu_v2_ragged_dot.json",
 }
 # Which calibration families stand for each kernel of estimate.py's table.
-KERNEL_FAMILIES = {"flash_attention": ("flash_attention", "splash_attention"),
-                   "ragged_dot": ("ragged_dot",)}
+# (keys: headline.py's `kernel` of each case, the row's "kernel" in estimates.jsonl)
+KERNEL_FAMILIES = {"flash-attention-tpu": ("flash_attention", "splash_attention"),
+                   "ragged-dot-tpu": ("ragged_dot",)}
 V2_NOT_RATED = ("tokamax's gmm v2 kernel picks its tiles at trace time from the group sizes "
                 "(its configs are recorded as all-null) and loops over SMEM tile lists; no "
                 "visible-SMEM substitution for it exists here yet")
@@ -163,6 +164,58 @@ def subset(entries: list[Entry], n: int) -> list[Entry]:
     return list(entries)
   return [entries[round(i * (len(entries) - 1) / (n - 1))] if n > 1 else entries[0]
           for i in range(n)]
+
+
+def model_flops(entry: Entry) -> int | None:
+  """The entry's useful flops (2 per multiply-add): attention's QK^T and PV over the visible
+  (causal: on-or-below-diagonal) pairs, or the ragged dot's m x k x n; None if not plain."""
+  a = entry.args
+  try:
+    if entry.family.startswith("ragged_dot"):
+      (_, (m, k)), (_, (_, _, n)) = parse_shape(a["lhs"]), parse_shape(a["rhs"])
+      return 2 * m * k * n
+    if entry.family == "flash_attention":
+      _, (*batch, tq, hq, d) = parse_shape(a["q"])
+      _, (*_, tk, _, dv) = parse_shape(a["v"])
+      causal = bool(a["mask"].get("causal_mask"))
+    else:
+      _, (hq, tq, d) = parse_shape(a["q"])
+      _, (_, tk, dv) = parse_shape(a["v"])
+      batch, causal = [], bool(a["mask"].get("is_causal"))
+  except (TypeError, ValueError):   # quantized operands: not plain shape strings
+    return None
+  visible = tq * (tq + 1) // 2 if causal else tq * tk
+  return 2 * math.prod(batch) * hq * visible * (d + dv)
+
+
+def peak_fraction(entry: Entry) -> float | None:
+  """Measured fraction of the chip's bf16 peak (chips.py): model_flops / measured time / peak."""
+  from tpu_kernels import chips
+  flops = model_flops(entry)
+  if flops is None:
+    return None
+  return flops / (entry.measured_us * 1e-6) / chips.get_chip(entry.chip).bf16_flops_per_s
+
+
+def measured_ceilings(chips_: tuple[str, ...] = ("v5e", "v6e", "v5p", "v7")) -> list[dict]:
+  """Per chip x attention family x head_dim x mask: the best and worst measured fraction of
+  the bf16 peak over every plain bf16 timed entry (no estimator: tokamax's times alone)."""
+  groups: dict[tuple, list[tuple[float, str]]] = {}
+  for chip in chips_:
+    for family in ("flash_attention", "splash_attention"):
+      for e in read_entries(chip, family):
+        if why_not_rated(e) is not None:
+          continue
+        a = e.args
+        d = parse_shape(a["q"])[1][-1]
+        causal = bool(a["mask"].get("causal_mask") or a["mask"].get("is_causal"))
+        groups.setdefault((chip, family, d, causal), []).append((peak_fraction(e), e.name))
+  out = []
+  for (chip, family, d, causal), values in groups.items():
+    best, worst = max(values), min(values)
+    out.append(dict(chip=chip, family=family, head_dim=d, causal=causal, entries=len(values),
+                    best=best[0], best_entry=best[1], worst=worst[0]))
+  return out
 
 
 # ------------------------------------------------------------------------ entry -> spec
@@ -381,17 +434,28 @@ class CalibrationAttention(anchors._Tokamax):
   def group(self) -> int:
     return self.q_heads // self.kv_heads
 
+  # Heads of the truncated compiles (the estimator's time grows with the grid's steps). GQA
+  # keeps its index map h // group: 2 and 4 query heads then share 1 kv head, each head still
+  # walking its own kv blocks (its replay restarts per head), as in the full program.
+  # A full mask's grid is uniform (every step a whole block, no lists): it is rated at its
+  # first FULL_ROWS q-block rows and scaled linearly in rows x heads.
+  FULL_ROWS = 2
+
+  @property
+  def rows(self) -> int:
+    return self.nq if self.causal else min(self.nq, self.FULL_ROWS)
+
   @property
   def truncations(self):
-    a = max(2, self.group)
-    return ([a], [2 * a])
+    return ([2, self.rows], [4, self.rows])
 
   @property
   def method(self) -> str:
-    a = max(2, self.group)
-    return (f"static estimate of the whole grid at {a} and {2 * a} heads, extrapolated "
-            f"linearly to {self.batch} x {self.q_heads} heads; SMEM block lists as closed "
-            "forms" + ("; + the op's transposes / q scaling at HBM bandwidth" if self.glue
+    grid = "the whole causal grid" if self.causal else f"the first {self.rows} q-block rows"
+    return (f"static estimate of {grid} at 2 and 4 heads, extrapolated "
+            f"linearly to {self.batch} x {self.q_heads} heads" + (" x rows" if not self.causal
+                                                                   else "")
+            + ("; SMEM block lists as closed forms" if self.causal else "") + ("; + the op's transposes / q scaling at HBM bandwidth" if self.glue
                        else ""))
 
   note = ("on v6e rated with use_base2_exp=False (the estimator aborts on the base-2 exp; "
@@ -448,6 +512,9 @@ class CalibrationAttention(anchors._Tokamax):
     mask = (M.CausalMask((self.seq_q, self.seq_kv)) if self.causal
             else M.FullMask((self.seq_q, self.seq_kv)))
     info, _ = MI.process_mask(mask, block)
+    if not self.causal:   # a full mask has no block lists: a static (heads, nq * nk) grid
+      assert all(x is None for x in info), info
+      return
     start, end = MI.find_bounds(np.asarray(info.active_rows))
     g = range(self.active)
     assert int(info.num_active_blocks[0]) == self.active, (info.num_active_blocks, self.active)
@@ -466,7 +533,7 @@ class CalibrationAttention(anchors._Tokamax):
     self._check_shape()
 
   def build(self, trunc, chip: str = "v6e"):
-    (heads,) = trunc
+    heads, rows = trunc
     import inspect
     jax = anchors._jax()
     import jax.numpy as jnp
@@ -498,25 +565,31 @@ class CalibrationAttention(anchors._Tokamax):
         if not self.glue else {}
     splash_config = dataclasses.replace(K.SplashConfig.get_default(), attn_logits_soft_cap=None,
                                         **{**config, **layouts, **extra})
+    seq_q = rows * config["block_q"]
     mask = (M.CausalMask((self.seq_q, self.seq_kv)) if self.causal
-            else M.FullMask((self.seq_q, self.seq_kv)))
+            else M.FullMask((seq_q, self.seq_kv)))
     kernel = K.make_splash_mha(mask, config=splash_config, save_residuals=self.residuals,
                                q_seq_shards=1)
     forms = self.forms("prng_key_ref" in inspect.signature(K.flash_attention_kernel).parameters)
 
     def fn(q, k, v):
+      if not self.causal:
+        return kernel(q, k, v)
       with anchors.visible_prefetch(K, forms, grid=(heads, self.active)):
         return kernel(q, k, v)
     S = jax.ShapeDtypeStruct
     kv = max(1, heads // self.group)
-    return fn, [S((heads, self.seq_q, self.head_dim), jnp.bfloat16),
+    return fn, [S((heads, seq_q, self.head_dim), jnp.bfloat16),
                 S((kv, self.seq_kv, self.head_dim), jnp.bfloat16),
                 S((kv, self.seq_kv, self.head_dim_v), jnp.bfloat16)]
 
   def extrapolate(self, cycles: dict) -> float:
-    (a,), (b,) = self.truncations
-    ca, cb = cycles[json.dumps([a])], cycles[json.dumps([b])]
-    return ca + (cb - ca) / (b - a) * (self.batch * self.q_heads - a)
+    """c(h) = c_a + per_head * (h - a) at the rated rows; a full mask's per-head cost then
+    scales with its rows (nq / rows), causal grids are whole."""
+    (a, rows), (b, _) = self.truncations
+    ca, cb = cycles[json.dumps([a, rows])], cycles[json.dumps([b, rows])]
+    per_head = (cb - ca) / (b - a)
+    return ca + per_head * (self.batch * self.q_heads * self.nq / rows - a)
 
   def hbm_bytes(self) -> int:
     """Replay of one head's compact grid (q, k, v, out and the [bq, 128] int32 q_sequence
@@ -598,7 +671,7 @@ def rate(entry: Entry) -> dict:
   start = time.time()
   row = dict(family=entry.family, chip=entry.chip, entry=entry.name, config=entry.cfg,
              measured_us=entry.measured_us, times_ms=list(entry.times_ms),
-             tokamax=TOKAMAX_VERSION)
+             measured_peak_fraction=peak_fraction(entry), tokamax=TOKAMAX_VERSION)
   reason = why_not_rated(entry)
   if reason:
     return dict(row, rated=False, error=f"not rated: {reason}")
@@ -688,6 +761,15 @@ def markdown(rows: list[dict]) -> str:
     lines.append(f"| {s['family']} | {s['chip']} | {s['rated']} / {s['listed']} "
                  f"| {s['median']:.2f} | {s['q25']:.2f} - {s['q75']:.2f} "
                  f"| {s['min']:.2f} - {s['max']:.2f} |")
+  lines += ["", "Measured ceilings (tokamax's own times, no estimator): fraction of the chip's "
+            "bf16 peak (chips.py) reached by plain bf16 attention entries, best and worst per "
+            "head_dim and mask.", "",
+            "| chip | family | head_dim | mask | entries | best | worst | best entry |",
+            "|---|---|---:|---|---:|---:|---:|---|"]
+  for c in measured_ceilings():
+    lines.append(f"| {c['chip']} | {c['family']} | {c['head_dim']} "
+                 f"| {'causal' if c['causal'] else 'full'} | {c['entries']} | {c['best']:.2f} "
+                 f"| {c['worst']:.2f} | {c['best_entry']} |")
   lines += ["", "| family | chip | entry | config | measured µs | compute µs | HBM µs | glue µs "
             "| predicted µs | ratio |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
@@ -702,6 +784,19 @@ def markdown(rows: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
+MAX_DEFAULT_STEPS = 10   # per head: the estimator's time and memory grow with grid steps
+                         # (a 36-step head of 2048^2 blocks took over 600 s at 4 heads, 8 GB)
+
+
+def cheap(entry: Entry) -> bool:
+  """In the default subset: attention whose rated grid has at most MAX_DEFAULT_STEPS steps
+  a head (every ragged dot: rated at 4 and 8 visits)."""
+  if entry.family.startswith("ragged_dot"):
+    return True
+  spec = spec_for(entry)
+  return spec.rows * (spec.nk if not spec.causal else (spec.nq + 1) / 2) <= MAX_DEFAULT_STEPS
+
+
 def chosen_entries(chips: list[str], families: list[str], thorough: bool) -> list[Entry]:
   out = []
   for chip in chips:
@@ -710,7 +805,7 @@ def chosen_entries(chips: list[str], families: list[str], thorough: bool) -> lis
       if thorough or family == "ragged_dot_v2":
         out += entries
         continue
-      ratable = [e for e in entries if why_not_rated(e) is None]
+      ratable = [e for e in entries if why_not_rated(e) is None and cheap(e)]
       out += subset(ratable, DEFAULT_PER_FAMILY.get(family, 4))
   return out
 
@@ -721,14 +816,22 @@ def main(argv=None) -> int:
   parser.add_argument("--families", nargs="+", default=list(FAMILY_FILES))
   parser.add_argument("--thorough", action="store_true", help="every entry (hours)")
   parser.add_argument("--out", type=Path, default=RESULTS)
+  parser.add_argument("--retry-failed", action="store_true",
+                      help="keep --out's rated rows, re-rate only the entries whose rating failed")
   parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.child:
     _child_main(*args.child)
     return 0
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  old = {(r["family"], r["chip"], r["entry"], json.dumps(r["config"])): r
+         for r in tuning.read_log(args.out / "calibration.jsonl")} if args.retry_failed else {}
   rows = []
   for entry in chosen_entries(args.chips, args.families, args.thorough):
+    kept = old.get((entry.family, entry.chip, entry.name, json.dumps(entry.cfg)))
+    if kept and (kept.get("rated") or kept["error"].startswith("not rated:")):
+      rows.append(kept)
+      continue
     rows.append(rate(entry))
     print(json.dumps({k: v for k, v in rows[-1].items() if k != "truncated"}), file=sys.stderr,
           flush=True)

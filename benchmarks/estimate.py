@@ -473,10 +473,17 @@ def main(argv=None) -> int:
   parser.add_argument("--merge", action="store_true",
                       help="keep the rows of --out's estimates.jsonl that this run does not "
                            "re-rate (with --cases: refresh some cases, rewrite every output)")
+  parser.add_argument("--markdown-only", action="store_true",
+                      help="rewrite --out's estimates.md from its estimates.jsonl (no rating; "
+                           "e.g. after benchmarks/calibration.py changed the expected column)")
   parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)   # see _rate_in_child
   args = parser.parse_args(argv)
   if args.child:
     _child_main(*args.child)
+    return 0
+  if args.markdown_only:
+    (args.out / "estimates.md").write_text(
+        HEADER + markdown(tuning.read_log(args.out / "estimates.jsonl")))
     return 0
   rows = []
   for impl in implementations(args.quick, args.cases, not args.no_anchors, args.implementations):

@@ -115,7 +115,7 @@ def test_ratio_arithmetic_and_summary(tmp_path):
   assert (s["rated"], s["listed"], s["median"], s["min"], s["max"]) == (3, 4, 1.0, 0.5, 4.0)
   log = tmp_path / "calibration.jsonl"
   log.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  factor, basis = calibration.expected_factor("v5e", "ragged_dot", log)
+  factor, basis = calibration.expected_factor("v5e", "ragged-dot-tpu", log)
   assert factor == 1.0 and "3 ragged_dot" in basis
-  assert calibration.expected_factor("v6e", "ragged_dot", log) is None
-  assert calibration.expected_factor("v5e", "rms_norm", log) is None
+  assert calibration.expected_factor("v6e", "ragged-dot-tpu", log) is None
+  assert calibration.expected_factor("v5e", "rms-norm-tpu", log) is None
