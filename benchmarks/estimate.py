@@ -305,15 +305,19 @@ def expected_on_hardware_us(r: dict) -> str:
   factor = calibration.expected_factor(r["chip"], r["kernel"]) if r.get("kernel") else None
   if factor is None or r.get("estimated_cycles") is None:
     return ""
-  return f"{r['predicted_us'] * factor[0]:,.2f} (x{factor[0]:.2f})"
+  expected = r["predicted_us"] * factor[0]
+  if expected < r["roofline_us"]:   # a factor < 1 never takes a row past its roofline
+    return f"{r['roofline_us']:,.2f} (x{factor[0]:.2f}, held at the roofline)"
+  return f"{expected:,.2f} (x{factor[0]:.2f})"
 
 
 EXPECTED_NOTE = (
     "expected on hardware = predicted x the median measured / predicted ratio of the same "
     "kernel family on the same chip, from `benchmarks/calibration.py` (tokamax 0.0.17's "
     "autotuning times on real chips, rated by this estimator at the same shapes and configs; "
-    "flash_attention rows use tokamax's flash + splash attention entries, ragged_dot rows its "
-    "ragged_dot entries). Blank: no real-chip timing calibrates that kernel on that chip "
+    "flash_attention rows use tokamax's flash attention entries, ragged_dot rows its "
+    "ragged_dot entries); never below the row's roofline (a factor < 1 says the estimator "
+    "over-counts the calibrating kernel, not that the hardware beats its peak). Blank: no real-chip timing calibrates that kernel on that chip "
     "(rms_norm, paged attention; v5e attention and v6e ragged_dot: see docs/performance.md#"
     "calibration), or the row is rated by XLA's cost_analysis, not the static cycle count. "
     "An estimate of an estimate, not a measurement.")

@@ -109,6 +109,7 @@ def test_ratio_arithmetic_and_summary(tmp_path):
   p = calibration.predicted(row, v6e)
   assert p["compute_us"] == pytest.approx(1000.0) and p["hbm_us"] == pytest.approx(500.0)
   assert p["predicted_us"] == pytest.approx(1500.0) and p["ratio"] == pytest.approx(2.0)
+  assert p["kernel_only_ratio"] == pytest.approx(3.0)   # glue left out: 3000 / 1000
   rows = [dict(family="ragged_dot", chip="v5e", rated=True, ratio=x) for x in (0.5, 1.0, 4.0)]
   rows.append(dict(family="ragged_dot", chip="v5e", rated=False, error="not rated: x"))
   (s,) = calibration.summary(rows)
