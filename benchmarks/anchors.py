@@ -215,7 +215,8 @@ def target_chip(chip: str):
   DMA tiling does); the host here is a CPU: answer for the target chip."""
   import importlib
   from jax._src.pallas.mosaic import tpu_info
-  version = {"v5e": tpu_info.ChipVersion.TPU_V5E, "v6e": tpu_info.ChipVersion.TPU_V6E}[chip]
+  version = {"v5e": tpu_info.ChipVersion.TPU_V5E, "v6e": tpu_info.ChipVersion.TPU_V6E,
+             "v5p": tpu_info.ChipVersion.TPU_V5P}[chip]   # v5p: calibration.py's tokamax rows
   # jax 0.10: _get_tpu_info_impl; jax 0.12 names it get_tpu_info_for_chip.
   for_chip = getattr(tpu_info, "get_tpu_info_for_chip", None) or tpu_info._get_tpu_info_impl
   modules = [tpu_info]
@@ -559,6 +560,8 @@ class TokamaxGmmAnchor(_Tokamax, GmmAnchor):
   is in its tuned table (checked in the child); 0.0.17 has heuristics for TPU7x only and
   returns `Config()` below it (`_get_heuristics_config`)."""
 
+  input_buffer_count = 2   # tokamax's Config default (benchmarks/calibration.py sets others)
+
   @property
   def key(self) -> str:
     return f"tokamax-gmm:{self.m}:{self.part}:{self.tiling_name}:{self.groups}"
@@ -622,7 +625,7 @@ class TokamaxGmmAnchor(_Tokamax, GmmAnchor):
           mock.patch.object(B, "make_group_metadata", metadata):
         return B.gmm(lhs, rhs, jnp.zeros((self.groups,), jnp.int32),
                      precision=(jax.lax.Precision.DEFAULT,) * 2, out_dtype=jnp.bfloat16,
-                     tiling=self.tiling, input_buffer_count=2)
+                     tiling=self.tiling, input_buffer_count=self.input_buffer_count)
 
     S = jax.ShapeDtypeStruct
     return fn, [S((m, k), jnp.bfloat16), S((self.groups, k, n), jnp.bfloat16),

@@ -304,20 +304,49 @@ def _error(message: str | None) -> str:
   return message[:160] + ("..." if len(message) > 160 else "")
 
 
+def expected_on_hardware_us(r: dict) -> str:
+  """The "expected on hardware" cell: the static prediction times calibration.py's factor for
+  the row's kernel and chip (the median measured / predicted ratio of tokamax's real-chip
+  timings rated by this estimator), or "" where no timing calibrates that kernel / chip. Only
+  Mosaic-kernel rows (static cycle counts) get it: the factor calibrates that instrument."""
+  import calibration   # reads benchmarks/results/calibration.jsonl; needs no tokamax
+  factor = calibration.expected_factor(r["chip"], r["kernel"]) if r.get("kernel") else None
+  if factor is None or r.get("estimated_cycles") is None:
+    return ""
+  expected = r["predicted_us"] * factor[0]
+  if expected < r["roofline_us"]:   # a factor < 1 never takes a row past its roofline
+    return f"{r['roofline_us']:,.2f} (x{factor[0]:.2f}, held at the roofline)"
+  return f"{expected:,.2f} (x{factor[0]:.2f})"
+
+
+EXPECTED_NOTE = (
+    "expected on hardware = predicted x the median measured / predicted ratio of the same "
+    "kernel family on the same chip, from `benchmarks/calibration.py` (tokamax 0.0.17's "
+    "autotuning times on real chips, rated by this estimator at the same shapes and configs; "
+    "flash_attention rows use tokamax's flash attention entries, ragged_dot rows its "
+    "ragged_dot entries); never below the row's roofline (a factor < 1 says the estimator "
+    "over-counts the calibrating kernel, not that the hardware beats its peak). Blank: no real-chip timing calibrates that kernel on that chip "
+    "(rms_norm, paged attention; v5e attention and v6e ragged_dot: see docs/performance.md#"
+    "calibration), or the row is rated by XLA's cost_analysis, not the static cycle count. "
+    "An estimate of an estimate, not a measurement.")
+
+
 def markdown(rows: list[dict]) -> str:
   lines = ["| case | impl | chip | cycles | compute µs | HBM µs | predicted µs | roofline µs "
-           "| efficiency |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+           "| efficiency | expected on hardware µs |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     if "predicted_us" not in r:
       lines.append(f"| {r['case']} | {r['implementation']} | {r['chip']} "
-                   f"| not rated: {_error(r['error'])} ||||||")
+                   f"| not rated: {_error(r['error'])} |||||||")
       continue
     cycles = "cost_analysis" if r.get("estimated_cycles") is None else \
         f"{r['estimated_cycles']:,}"
     lines.append(f"| {r['case']} | {r['implementation']} | {r['chip']} | {cycles} "
                  f"| {_us(r['compute_us'])} | {_us(r['hbm_us'])} | {_us(r['predicted_us'])} "
-                 f"| {_us(r['roofline_us'])} | {r['efficiency']:.2f} |")
+                 f"| {_us(r['roofline_us'])} | {r['efficiency']:.2f} "
+                 f"| {expected_on_hardware_us(r)} |")
+  lines += ["", f"Column note: {EXPECTED_NOTE}"]
   lines += ["", *targets(rows), "", "How each row was rated:", ""]
   seen = set()
   for r in rows:
@@ -456,10 +485,17 @@ def main(argv=None) -> int:
   parser.add_argument("--merge", action="store_true",
                       help="keep the rows of --out's estimates.jsonl that this run does not "
                            "re-rate (with --cases: refresh some cases, rewrite every output)")
+  parser.add_argument("--markdown-only", action="store_true",
+                      help="rewrite --out's estimates.md from its estimates.jsonl (no rating; "
+                           "e.g. after benchmarks/calibration.py changed the expected column)")
   parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)   # see _rate_in_child
   args = parser.parse_args(argv)
   if args.child:
     _child_main(*args.child)
+    return 0
+  if args.markdown_only:
+    (args.out / "estimates.md").write_text(
+        HEADER + markdown(tuning.read_log(args.out / "estimates.jsonl")))
     return 0
   rows = []
   for impl in implementations(args.quick, args.cases, not args.no_anchors, args.implementations):
