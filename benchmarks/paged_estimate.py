@@ -182,7 +182,10 @@ def batch_items(case: PagedBatch, t: PA.Tiling) -> dict:
       len(seqs), pages_per_seq)
   items = PA._work_items(kv_lens, cu_q_lens, case.num_tokens, num_items, t.block_q,
                          t.block_kv, case.page_size, case.sliding_window)[0]
-  slot_pages = PA._slot_pages(page_indices, items, t.pages_per_block, int(page_indices.size))
+  steps = PA._grid_steps(pages_per_seq, t.pages_per_block, case.page_size, t.block_q,
+                         case.sliding_window)
+  slot_pages = PA._slot_pages(page_indices, items, t.pages_per_block, int(page_indices.size),
+                              steps)
   return dict(items={f: np.asarray(items[f]) for f in PA._ITEM_FIELDS},
               slot_pages=np.asarray(slot_pages))
 
@@ -221,7 +224,8 @@ def batch_kernel_program(case: PagedBatch, t: PA.Tiling, floors: tuple, batch: i
   cache = S((batch * pages_per_seq, case.kv_heads, case.page_size, case.head_dim),
             jnp.dtype(case.kv_dtype))
   specs = [*(S((batch,), jnp.int32) for _ in PA._ITEM_FIELDS),
-           S((batch * PA._kv_steps(pages_per_seq, t.pages_per_block) * t.pages_per_block,),
+           S((batch * PA._grid_steps(pages_per_seq, t.pages_per_block, case.page_size,
+                                     t.block_q, case.sliding_window) * t.pages_per_block,),
              jnp.int32),
            S((2, case.kv_heads), jnp.float32),
            S((batch, case.kv_heads * t.rows, case.head_dim), jnp.dtype(case.q_dtype)), cache,

@@ -277,6 +277,19 @@ def _kv_steps(pages_per_seq: int, pages_per_block: int) -> int:
   return -(-pages_per_seq // pages_per_block)
 
 
+def _grid_steps(pages_per_seq: int, pages_per_block: int, page_size: int, block_q: int,
+                sliding_window: int | None) -> int:
+  """Kv steps of the grid: enough blocks for the longest row, or, with a window, for the
+  keys one item can see (window - 1 + block_q keys touch at most ceil(that / block_kv) + 1
+  blocks): a 4k window on a 32k context runs 5 steps of 1024 keys per item, not 32 (the
+  skipped steps were over half the static estimate)."""
+  steps = _kv_steps(pages_per_seq, pages_per_block)
+  if sliding_window is not None:
+    block_kv = pages_per_block * page_size
+    steps = min(steps, -(-(sliding_window - 1 + block_q) // block_kv) + 1)
+  return steps
+
+
 def num_work_items(num_tokens: int, num_seqs: int, block_q: int) -> int:
   """Static bound on the work items of any batch of this shape (each holds >= 1 token)."""
   return max(1, min(num_tokens, -(-num_tokens // block_q) + num_seqs))
@@ -329,13 +342,13 @@ def _work_items(kv_lens, cu_q_lens, num_tokens, num_items, block_q, block_kv, pa
   return items, token_first, token_item, token_row, token_valid
 
 
-def _slot_pages(page_indices, items, pages_per_block: int, num_pages: int):
+def _slot_pages(page_indices, items, pages_per_block: int, num_pages: int, steps: int):
   """The page id each page slot fetches at each kv step of each item (module docstring,
   "Skipping"): int32 [num_items, steps * pages_per_block], entry t * pages_per_block + i
-  for slot i at step t. Empty items (all fields 0) fetch their sequence's first page."""
+  for slot i at step t (steps: _grid_steps). Empty items (all fields 0) fetch their
+  sequence's first page."""
   num_seqs, pages_per_seq = page_indices.shape
   n = pages_per_block
-  steps = _kv_steps(pages_per_seq, n)
   first_b, last_b, first_p, last_p = (items[f][:, None, None] for f in
                                       ("first_block", "last_block", "first_page", "last_page"))
   block = jnp.minimum(first_b + jnp.arange(steps)[None, :, None], last_b)
@@ -532,7 +545,7 @@ def _call(items, slot_pages, scales, q_items, sink_rows, k_pages, v_pages, st: _
   [Wc, steps * pages_per_block] from _slot_pages."""
   num_items, all_rows, head_dim = q_items.shape
   n, ps = st.pages_per_block, st.page_size
-  steps = _kv_steps(st.pages_per_seq, n)
+  steps = _grid_steps(st.pages_per_seq, n, ps, st.block_q, st.sliding_window)
   # A page of every KV head as one 2-D block: [num_pages, Hkv * page_size, D] (free view).
   k_view = k_pages.reshape(k_pages.shape[0], st.num_kv_heads * ps, head_dim)
   v_view = v_pages.reshape(k_view.shape)
@@ -766,7 +779,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
   cu_q_lens = cu_q_lens.astype(jnp.int32)
   items, token_first, token_item, token_row, token_valid = _work_items(
       kv_lens, cu_q_lens, num_tokens, num_items_p, bq, t.block_kv, page_size, sliding_window)
-  slot_pages = _slot_pages(page_indices, items, t.pages_per_block, num_pages)
+  slot_pages = _slot_pages(page_indices, items, t.pages_per_block, num_pages,
+                           _grid_steps(pages_per_seq, t.pages_per_block, page_size, t.block_q,
+                                       sliding_window))
   items = {f: items[f] for f in _ITEM_FIELDS}
 
   # q -> [W, Hkv * R, D]: per KV head bq * G token-major rows, zero-padded to R; rows past
