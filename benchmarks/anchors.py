@@ -1325,43 +1325,8 @@ class RaggedPagedAnchor:
 
   def build(self, trunc, chip: str = "v6e"):
     batch, context = trunc
-    jax = _jax()
-    import jax.numpy as jnp
-    import numpy as np
-    from jax import lax
-    vmem_limit_bytes = self.vmem_limit_bytes(chip)
-    K = _module("ragged_paged_attention.kernel")
-    c = self.case
-    pages_per_seq = context // c.page_size
-    counts, depth = self.loop_counts(context), [0]
-
-    def static_while_loop(cond, body, init):
-      del cond   # true for exactly counts[depth] iterations on this batch
-      n = counts[depth[0]]
-      depth[0] += 1
-      try:
-        return lax.fori_loop(0, n, lambda i, state: body(state), init)
-      finally:
-        depth[0] -= 1
-    lax_view = types.SimpleNamespace(**{n: getattr(lax, n) for n in dir(lax)
-                                        if not n.startswith("__")})
-    lax_view.while_loop = static_while_loop
-    forms = (("const", lambda s: np.int32(context)), lambda s, p: s * pages_per_seq + p,
-             ("const", lambda i: i), None, ("const", lambda i: np.int32(batch)))
-
-    def fn(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
-      with visible_prefetch(K, forms), mock.patch.object(K, "lax", lax_view):
-        return K.ragged_paged_attention(
-            q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-            sm_scale=c.head_dim ** -0.5, num_kv_pages_per_block=self.num_kv_pages_per_block,
-            num_queries_per_block=self.num_queries_per_block,
-            vmem_limit_bytes=vmem_limit_bytes)
-    S = jax.ShapeDtypeStruct
-    return fn, [S((batch, c.q_heads, c.head_dim), jnp.bfloat16),
-                S((batch * pages_per_seq, c.page_size, 2 * c.kv_heads, c.head_dim),
-                  jnp.bfloat16),
-                S((batch,), jnp.int32), S((batch, pages_per_seq), jnp.int32),
-                S((batch + 1,), jnp.int32), S((1,), jnp.int32)]
+    return _rpa_program(self.case, batch, 1, context, self.num_kv_pages_per_block,
+                        self.num_queries_per_block, self.vmem_limit_bytes(chip))
 
   def lowering(self, chip: str):
     """Around tracing and compiling (see `target_chip`)."""
@@ -1391,6 +1356,186 @@ class RaggedPagedAnchor:
 RPA_MAX_RATED_CONTEXT = 4096
 
 
+def _rpa_program(c, num_seqs: int, q_len: int, context: int, pages_per_block: int,
+                 queries_per_block: int, vmem_limit_bytes: int | None):
+  """(fn, specs): jax's ragged_paged_attention, static-length variant (see
+  `RaggedPagedAnchor`), on `num_seqs` sequences of `q_len` new tokens and `context` keys
+  each, with `c`'s heads, page size, cache dtype (quantized: scales 1.0) and sliding window.
+  Its outer while loop runs once per sequence a q block touches (queries_per_block // q_len
+  sequences, at least 1), its inner one over every kv block of the sequence (it skips
+  neither causally invisible blocks nor keys before a window)."""
+  jax = _jax()
+  import jax.numpy as jnp
+  import numpy as np
+  from jax import lax
+  K = _module("ragged_paged_attention.kernel")
+  pages_per_seq = context // c.page_size
+  counts = (max(1, queries_per_block // q_len),
+            -(-context // (pages_per_block * c.page_size)))
+  depth = [0]
+
+  def static_while_loop(cond, body, init):
+    del cond   # true for exactly counts[depth] iterations on this batch
+    n = counts[depth[0]]
+    depth[0] += 1
+    try:
+      return lax.fori_loop(0, n, lambda i, state: body(state), init)
+    finally:
+      depth[0] -= 1
+  lax_view = types.SimpleNamespace(**{n: getattr(lax, n) for n in dir(lax)
+                                      if not n.startswith("__")})
+  lax_view.while_loop = static_while_loop
+  forms = (("const", lambda s: np.int32(context)), lambda s, p: s * pages_per_seq + p,
+           ("const", (lambda i: i) if q_len == 1 else (lambda i: i * q_len)), None, ("const", lambda i: np.int32(num_seqs)))
+  kv_dtype = jnp.dtype(getattr(c, "kv_dtype", "bfloat16"))
+  scale = None if kv_dtype == jnp.bfloat16 else 1.0
+  window = getattr(c, "sliding_window", None)
+  extra = {} if window is None else dict(sliding_window=window)
+
+  def fn(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs_):
+    with visible_prefetch(K, forms), mock.patch.object(K, "lax", lax_view):
+      return K.ragged_paged_attention(
+          q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs_,
+          sm_scale=c.head_dim ** -0.5, num_kv_pages_per_block=pages_per_block,
+          num_queries_per_block=queries_per_block, vmem_limit_bytes=vmem_limit_bytes,
+          k_scale=scale, v_scale=scale, **extra)
+  S = jax.ShapeDtypeStruct
+  return fn, [S((num_seqs * q_len, c.q_heads, c.head_dim), jnp.bfloat16),
+              S((num_seqs * pages_per_seq, c.page_size, 2 * c.kv_heads, c.head_dim), kv_dtype),
+              S((num_seqs,), jnp.int32), S((num_seqs, pages_per_seq), jnp.int32),
+              S((num_seqs + 1,), jnp.int32), S((1,), jnp.int32)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedPagedServingAnchor:
+  """jax's ragged_paged_attention on a serving step (`headline.PagedBatch`): the same
+  static-length variant as `RaggedPagedAnchor` (`_rpa_program`), rated per part of the
+  batch and summed: the decode sequences (rated at a whole number of q blocks, scaled to
+  the real count) and the prefill chunks (each q block of a chunk is one sequence's
+  queries). Block sizes: `kv_tokens_per_block` keys (2048, the existing rows' 32 pages of
+  64) in whole pages and 32 queries; jax's tuned table has no key for these shapes (its
+  32/8-head keys stop at 1280 tokens of context, and its default of 128 pages does not fit
+  VMEM at page 64)."""
+
+  serving: headline.PagedBatch
+  num_queries_per_block: int = 32
+  kv_tokens_per_block: int = 2048
+
+  @property
+  def case(self):
+    return self.serving
+
+  @property
+  def key(self) -> str:
+    return (f"rpa-serving:{self.serving.name}:{self.num_queries_per_block}:"
+            f"{self.kv_tokens_per_block}")
+
+  @property
+  def pages_per_block(self) -> int:
+    c = self.serving
+    longest = max(kv for _, kv in c.sequences())
+    return max(1, min(self.kv_tokens_per_block // c.page_size, longest // c.page_size))
+
+  @property
+  def implementation(self) -> str:
+    return (f"jax ragged_paged_attention (jax {_jax().__version__}, kv pages / queries per "
+            f"block {self.pages_per_block} / {self.num_queries_per_block}, static-length "
+            f"variant)")
+
+  def parts(self) -> list[tuple[str, int, int, int, int]]:
+    """[(part, sequences, rated sequences, q_len, context)] of the batch."""
+    c, qb = self.serving, self.num_queries_per_block
+    out = []
+    if c.decode:
+      out.append(("decode", c.decode, -(-c.decode // qb) * qb, 1, c.context))
+    if c.prefill:
+      out.append(("prefill", c.prefill, c.prefill, c.chunk, c.prefill_context))
+    return out
+
+  def _contexts(self, context: int) -> tuple[int, ...]:
+    if context <= RPA_MAX_RATED_CONTEXT:
+      return (context,)
+    return (RPA_MAX_RATED_CONTEXT // 2, RPA_MAX_RATED_CONTEXT)
+
+  @property
+  def truncations(self):
+    return tuple([part, rated, q_len, ctx] for part, _, rated, q_len, context in self.parts()
+                 for ctx in self._contexts(context))
+
+  @property
+  def method(self) -> str:
+    how = ("static estimate per part (static-length variant: loops with static trip counts), "
+           "summed: " + ", ".join(f"{part} at {rated} sequences" + (
+               f" scaled to {n}" if rated != n else "") for part, n, rated, _, _ in
+               self.parts()))
+    if any(len(self._contexts(p[4])) > 1 for p in self.parts()):
+      how += (f"; contexts past {RPA_MAX_RATED_CONTEXT} rated at {RPA_MAX_RATED_CONTEXT // 2} "
+              f"and {RPA_MAX_RATED_CONTEXT} and extrapolated linearly in kv blocks")
+    return how
+
+  @property
+  def note(self) -> str:
+    return ("Static-length variant as for the headline rows. Each part is its own kernel "
+            "here (one launch's fixed cycles counted once per part). It reads every kv block "
+            "of a sequence for every q block (no causal or window skipping), as on hardware; "
+            "quantized caches with scales 1.0 (its k_scale / v_scale are floats).")
+
+  def config(self) -> dict:
+    return dict(num_kv_pages_per_block=self.pages_per_block,
+                num_queries_per_block=self.num_queries_per_block,
+                page_size=self.serving.page_size,
+                vmem_limit_bytes="kernel default on v6e, 64 MiB on v5e")
+
+  def vmem_limit_bytes(self, chip: str) -> int | None:
+    return 64 * 2**20 if chip == "v5e" else None
+
+  def validate(self) -> None:
+    c, qb = self.serving, self.num_queries_per_block
+    if c.prefill and c.chunk % qb:
+      raise ValueError("the static trip counts assume chunks of whole q blocks")
+    for _, _, _, _, context in self.parts():
+      if context % c.page_size:
+        raise ValueError("the static trip counts assume whole pages")
+
+  def build(self, trunc, chip: str = "v6e"):
+    _, seqs, q_len, context = trunc
+    return _rpa_program(self.serving, seqs, q_len, context, self.pages_per_block,
+                        self.num_queries_per_block, self.vmem_limit_bytes(chip))
+
+  def lowering(self, chip: str):
+    return target_chip(chip)
+
+  def kv_blocks(self, context: int) -> int:
+    return -(-context // (self.pages_per_block * self.serving.page_size))
+
+  def extrapolate(self, cycles: dict) -> float:
+    total = 0.0
+    for part, n, rated, q_len, context in self.parts():
+      points = [(self.kv_blocks(ctx), cycles[json.dumps([part, rated, q_len, ctx])])
+                for ctx in self._contexts(context)]
+      value = points[0][1]
+      if len(points) == 2:
+        (b0, c0), (b1, c1) = points
+        value = c1 + (c1 - c0) / (b1 - b0) * (self.kv_blocks(context) - b1)
+      total += value * n / rated
+    return total
+
+  def hbm_bytes(self) -> int:
+    """Per sequence, every q block it spans fetches the pages of its kv_len (the last block
+    only the pages it needs); q read and out written once."""
+    c, qb = self.serving, self.num_queries_per_block
+    token_bytes = 2 * c.kv_heads * c.head_dim * headline.ITEMSIZE[c.kv_dtype]
+    kv = 0
+    for _, n, _, q_len, context in self.parts():
+      pages = -(-context // c.page_size)
+      kv += n * -(-q_len // qb) * pages * c.page_size * token_bytes
+    return kv + 2 * c.num_tokens * c.q_heads * c.head_dim * headline.ITEMSIZE[c.q_dtype]
+
+  def hand(self, chip) -> dict:
+    hbm_us = self.hbm_bytes() / chip.hbm_bytes_per_s * 1e6
+    return dict(hand_us=hbm_us, hand_count="k/v pages it fetches at HBM bandwidth")
+
+
 # ----------------------------------------------------------------------------------------
 # The list.
 
@@ -1414,6 +1559,7 @@ def _specs_list():
               TokamaxAttentionAnchor(case.seq, block, joint=case)]
   for ctx in (2048, 32768):
     out += [PagedAnchor(ctx), RaggedPagedAnchor(ctx)]
+  out += [RaggedPagedServingAnchor(c) for c in headline.SERVING_PAGED]
   import anchors_tpu_inference   # (here: it imports this module) tpu-inference 0.32.0's kernels
   return out + anchors_tpu_inference.specs()
 

@@ -176,6 +176,14 @@ def _paged_pallas(case: headline.PagedDecode, chip: str) -> dict:
               tiling=dict(block_kv=r["block_kv"], pages_per_block=r["pages_per_block"]))
 
 
+def _paged_batch_pallas(case: headline.PagedBatch, chip: str) -> dict:
+  r = paged_estimate.estimate_batch(case, chip)
+  return dict(compiled=True, error=None, estimated_cycles=r["estimated_cycles"],
+              hbm_bytes=r["hbm_bytes"], method=r["method"],
+              tiling=dict(block_q=r["block_q"], block_kv=r["block_kv"],
+                          pages_per_block=r["pages_per_block"]), classes=r["classes"])
+
+
 def ours_and_xla(case) -> list[Implementation]:
   name = case.name
   if isinstance(case, headline.RmsNorm):
@@ -213,6 +221,10 @@ def ours_and_xla(case) -> list[Implementation]:
         Implementation(name, "xla (lax.ragged_dot layer)", XLA, lambda chip: _xla_cost(
             lambda: experts_layer_estimate.xla_program(case), chip), static_profile=False),
     ]
+
+  if isinstance(case, headline.PagedBatch):
+    # No XLA row: the gathering baseline materialises every token's whole context.
+    return [Implementation(name, "pallas", OURS, functools.partial(_paged_batch_pallas, case))]
   raise TypeError(f"no rating for {type(case).__name__}")
 
 

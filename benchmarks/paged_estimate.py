@@ -45,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from tpu_kernels import aot, chips, paged_attention as PA  # noqa: E402
 
-from headline import PagedDecode  # noqa: E402
+from headline import ITEMSIZE, PagedBatch, PagedDecode  # noqa: E402
 
 S = jax.ShapeDtypeStruct
 TRUNCATED_BATCHES = (2, 4)
@@ -67,7 +67,7 @@ def kernel_program(case: PagedDecode, chip: str, batch: int, block_kv: int | Non
                   has_sinks=False, quantized=quantized, block_q=1, block_kv=t.block_kv,
                   page_size=case.page_size, pages_per_block=t.pages_per_block,
                   pages_per_seq=pages_per_seq, num_kv_heads=case.kv_heads, rows=t.rows,
-                  vmem_limit_bytes=t.vmem_limit_bytes, interpret=False,
+                  group=group, vmem_limit_bytes=t.vmem_limit_bytes, interpret=False,
                   item_floors=tuple(floors[f] for f in PA._ITEM_FIELDS))
   num_pages = batch * pages_per_seq
   cache = S((num_pages, case.kv_heads, case.page_size, case.head_dim),
@@ -137,6 +137,159 @@ def estimate(case: PagedDecode, chip: str, block_kv: int | None = None) -> dict:
               truncated_cycles=rated, method="static estimate, " + how,
               estimated_cycles=int(total), compute_us=compute_us, hbm_bytes=hbm_bytes,
               hbm_us=hbm_us, predicted_us=predicted_us, roofline_us=roofline_us,
+              efficiency=roofline_us / predicted_us)
+
+
+# ----------------------------------------------------------------------------- serving batches
+#
+# A PagedBatch (mixed decode + prefill chunks, windows, any page size) has work items that
+# differ. Items whose runs look the same to the kernel (rows used or not, the same first
+# and last kv block, the same blocks seen whole or masked) cost the same: each such class
+# is rated on its own as a uniform batch (floors = one of its items' values) at the case's
+# tiling and grid width, at TRUNCATED_BATCHES items, and the per-item cycles summed over
+# the case's items. HBM is counted by replaying the kernel's own slot table.
+
+
+def batch_tiling(case: PagedBatch, chip: str, block_kv: int | None = None,
+                 block_q: int | None = None) -> PA.Tiling:
+  """The tiling ragged_paged_attention picks for the case (or the given block sizes)."""
+  group = case.q_heads // case.kv_heads
+  return PA.paged_tiling(case.num_tokens, case.decode + case.prefill, _pages_per_seq(case),
+                         case.page_size, case.head_dim, num_kv_heads=case.kv_heads,
+                         group=group, q_dtype=jnp.dtype(case.q_dtype),
+                         kv_dtype=jnp.dtype(case.kv_dtype), chip=chip, block_q=block_q,
+                         block_kv=block_kv)
+
+
+def _pages_per_seq(case: PagedBatch) -> int:
+  longest = max(kv for _, kv in case.sequences())
+  return -(-longest // case.page_size)
+
+
+def batch_items(case: PagedBatch, t: PA.Tiling) -> dict:
+  """The kernel's own work items and slot table for the case (concrete, from
+  paged_attention._work_items / _slot_pages): every sequence has its own pages. Returns
+  the item fields (numpy [W]) and slot_pages [W, steps * pages_per_block]."""
+  import numpy as np
+  seqs = case.sequences()
+  pages_per_seq = _pages_per_seq(case)
+  num_items = PA.num_work_items(case.num_tokens, len(seqs), t.block_q)
+  if num_items > t.items_per_call:
+    raise NotImplementedError(f"{case.name}: {num_items} items need more than one call")
+  kv_lens = jnp.asarray([kv for _, kv in seqs], jnp.int32)
+  cu_q_lens = jnp.asarray(np.concatenate([[0], np.cumsum([q for q, _ in seqs])]), jnp.int32)
+  page_indices = jnp.arange(len(seqs) * pages_per_seq, dtype=jnp.int32).reshape(
+      len(seqs), pages_per_seq)
+  items = PA._work_items(kv_lens, cu_q_lens, case.num_tokens, num_items, t.block_q,
+                         t.block_kv, case.page_size, case.sliding_window)[0]
+  steps = PA._grid_steps(pages_per_seq, t.pages_per_block, case.page_size, t.block_q,
+                         case.sliding_window)
+  slot_pages = PA._slot_pages(page_indices, items, t.pages_per_block, int(page_indices.size),
+                              steps)
+  return dict(items={f: np.asarray(items[f]) for f in PA._ITEM_FIELDS},
+              slot_pages=np.asarray(slot_pages))
+
+
+def item_classes(case: PagedBatch, t: PA.Tiling, items: dict) -> list[tuple[tuple, int]]:
+  """[(floors, count)]: items grouped by what their run looks like to the kernel (rows
+  used or not, first and last block, and which of those blocks are seen whole), each
+  class's floors those of its first item (_ITEM_FIELDS order)."""
+  classes: dict[tuple, list] = {}
+  w = case.sliding_window
+  for i in range(len(items["rows"])):
+    v = {f: int(items[f][i]) for f in PA._ITEM_FIELDS}
+    last_key = v["q_pos"] + v["rows"] - 1
+    whole = tuple(b * t.block_kv + t.block_kv - 1 <= v["q_pos"]
+                  and (w is None or b * t.block_kv > last_key - w)
+                  for b in range(v["first_block"], v["last_block"] + 1))
+    key = (v["rows"] > 0, v["first_block"], v["last_block"], whole)
+    entry = classes.setdefault(key, [tuple(v[f] for f in PA._ITEM_FIELDS), 0])
+    entry[1] += 1
+  return [(floors, count) for floors, count in classes.values()]
+
+
+def batch_kernel_program(case: PagedBatch, t: PA.Tiling, floors: tuple, batch: int):
+  """(fn, specs) of the kernel alone for `batch` items that all read as `floors`."""
+  pages_per_seq = _pages_per_seq(case)
+  group = case.q_heads // case.kv_heads
+  quantized = jnp.dtype(case.kv_dtype) in PA.QUANTIZED_DTYPES
+  st = PA._Static(sm_scale=1.0 / case.head_dim ** 0.5, soft_cap=None,
+                  sliding_window=case.sliding_window, has_sinks=False, quantized=quantized,
+                  block_q=t.block_q, block_kv=t.block_kv, page_size=case.page_size,
+                  pages_per_block=t.pages_per_block, pages_per_seq=pages_per_seq,
+                  num_kv_heads=case.kv_heads, rows=t.rows, group=group,
+                  vmem_limit_bytes=t.vmem_limit_bytes, interpret=False,
+                  item_floors=tuple(int(f) for f in floors),
+                  small_rows=PA.small_rows(t, group, jnp.dtype(case.q_dtype)))
+  cache = S((batch * pages_per_seq, case.kv_heads, case.page_size, case.head_dim),
+            jnp.dtype(case.kv_dtype))
+  specs = [*(S((batch,), jnp.int32) for _ in PA._ITEM_FIELDS),
+           S((batch * PA._grid_steps(pages_per_seq, t.pages_per_block, case.page_size,
+                                     t.block_q, case.sliding_window) * t.pages_per_block,),
+             jnp.int32),
+           S((2, case.kv_heads), jnp.float32),
+           S((batch, case.kv_heads * t.rows, case.head_dim), jnp.dtype(case.q_dtype)), cache,
+           cache]
+
+  def fn(*args):
+    items = dict(zip(PA._ITEM_FIELDS, args[:len(PA._ITEM_FIELDS)]))
+    slot_pages, scales, q_items, k_pages, v_pages = args[len(PA._ITEM_FIELDS):]
+    return PA._call(items, slot_pages, scales, q_items, None, k_pages, v_pages, st)
+
+  return fn, specs
+
+
+def batch_hbm_bytes(case: PagedBatch, t: PA.Tiling, slot_pages) -> int:
+  """Bytes the kernel moves: a page slot fetches its page whenever its page id differs from
+  the previous grid step's (Pallas skips unchanged blocks), K and V alike; every item's q
+  block read and out block written once (R rows per KV head, padding included)."""
+  import numpy as np
+  page_bytes = case.kv_heads * case.page_size * case.head_dim * ITEMSIZE[case.kv_dtype]
+  per_step = slot_pages.reshape(-1, t.pages_per_block)          # grid steps in order
+  fetches = 1 + (per_step[1:] != per_step[:-1]).sum(axis=0)     # per slot
+  num_items = slot_pages.shape[0]
+  q_block = case.kv_heads * t.rows * case.head_dim * ITEMSIZE[case.q_dtype]
+  return int(2 * fetches.sum() * page_bytes + 2 * num_items * q_block)
+
+
+def estimate_batch(case: PagedBatch, chip: str, block_kv: int | None = None,
+                   block_q: int | None = None) -> dict:
+  """The static estimate of one serving step (see the section comment)."""
+  chip_ = chips.get_chip(chip)
+  t = batch_tiling(case, chip, block_kv, block_q)
+  tables = batch_items(case, t)
+  classes = item_classes(case, t, tables["items"])
+  (b0, b1) = TRUNCATED_BATCHES
+  rated, fixed, total = [], [], 0.0
+  for floors, count in classes:
+    cycles = []
+    for b in TRUNCATED_BATCHES:
+      fn, specs = batch_kernel_program(case, t, floors, b)
+      report = aot.compile_for_chip(fn, specs, chip)
+      if not report.ok:
+        raise RuntimeError(f"{case.name} (class {floors}, {b} items) on {chip}: {report.error}")
+      cycles.append(report.estimated_cycles)
+    per_item = (cycles[1] - cycles[0]) / (b1 - b0)
+    fixed.append((count, cycles[0] - per_item * b0))
+    total += per_item * count
+    rated.append(dict(floors=dict(zip(PA._ITEM_FIELDS, floors)), items=count,
+                      cycles={str(b0): cycles[0], str(b1): cycles[1]}, per_item=per_item))
+  total += max(fixed)[1]    # one launch: the fixed part of the most numerous class
+  compute_us = total / chip_.clock_hz * 1e6
+  hbm_bytes = batch_hbm_bytes(case, t, tables["slot_pages"])
+  hbm_us = hbm_bytes / chip_.hbm_bytes_per_s * 1e6
+  predicted_us = max(compute_us, hbm_us)
+  roofline_us = max(case.flops() / chip_.bf16_flops_per_s * 1e6,
+                    case.min_bytes() / chip_.hbm_bytes_per_s * 1e6)
+  how = (f"{len(tables['items']['rows'])} work items in {len(classes)} classes (items that "
+         f"run the same blocks the same way), each class rated as a uniform batch at "
+         f"{TRUNCATED_BATCHES} items and extrapolated to its count; HBM by replaying the "
+         f"kernel's slot table")
+  return dict(kernel="paged-attention-tpu", name=case.name, chip=chip, block_q=t.block_q,
+              block_kv=t.block_kv, pages_per_block=t.pages_per_block, classes=rated,
+              method="static estimate, " + how, estimated_cycles=int(total),
+              compute_us=compute_us, hbm_bytes=hbm_bytes, hbm_us=hbm_us,
+              predicted_us=predicted_us, roofline_us=roofline_us,
               efficiency=roofline_us / predicted_us)
 
 

@@ -31,10 +31,13 @@ Work items. The packed tokens are cut, in XLA, into *work items* of block_q cons
 tokens of one sequence (a sequence of n tokens gives ceil(n / block_q) items; at most
 min(T, ceil(T / block_q) + S) items in all, a static bound). q is gathered into
 [W, Hkv * R, D]: per KV head, R rows (G * block_q rounded up to whole sublane tiles,
-zero-padded), ordered head-major (row r of a head's R is query head r // block_q of its
-group, token r % block_q). So one item's block holds every query head: a decode step of
-a 32/8-head model is eight (16, D) slices (4 rows used) against each page, a prefill
-item eight (G * block_q, D) slices. Output blocks are gathered back to [T, Hq, D].
+zero-padded), ordered token-major (row r of a head's R is token r // G, query head r % G
+of its group). So one item's block holds every query head: a decode step of a 32/8-head
+model is eight (16, D) slices (4 rows used) against each page, a prefill item eight
+(G * block_q, D) slices. Output blocks are gathered back to [T, Hq, D]. Token-major, an
+item with few tokens uses only the first rows of each head's R: when block_q > 1 and an
+item's tokens fit the first `small_rows` rows (G sublane-padded: a decode sequence in a
+batch mixed with prefill chunks), the body runs on those rows only, not on all R.
 
 Grid (items, kv steps): kv step t of an item reads pages_per_block pages, one BlockSpec
 per page slot, each block one page of all KV heads (the cache viewed, for free, as
@@ -262,9 +265,29 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
                 items_per_call * per_item)
 
 
+def small_rows(t: Tiling, group: int, q_dtype) -> int:
+  """Rows of the kernel's short body (the first rows of each head's R, enough for one
+  token's G query heads, sublane-padded), or 0 when it would not be shorter (block_q 1)."""
+  rows = vmem.round_up(group, vmem.sublane_multiple(q_dtype))
+  return rows if t.block_q > 1 and rows < t.rows else 0
+
+
 def _kv_steps(pages_per_seq: int, pages_per_block: int) -> int:
   """Kv steps of the grid: enough blocks of pages_per_block pages for the longest row."""
   return -(-pages_per_seq // pages_per_block)
+
+
+def _grid_steps(pages_per_seq: int, pages_per_block: int, page_size: int, block_q: int,
+                sliding_window: int | None) -> int:
+  """Kv steps of the grid: enough blocks for the longest row, or, with a window, for the
+  keys one item can see (window - 1 + block_q keys touch at most ceil(that / block_kv) + 1
+  blocks): a 4k window on a 32k context runs 5 steps of 1024 keys per item, not 32 (the
+  skipped steps were over half the static estimate)."""
+  steps = _kv_steps(pages_per_seq, pages_per_block)
+  if sliding_window is not None:
+    block_kv = pages_per_block * page_size
+    steps = min(steps, -(-(sliding_window - 1 + block_q) // block_kv) + 1)
+  return steps
 
 
 def num_work_items(num_tokens: int, num_seqs: int, block_q: int) -> int:
@@ -319,13 +342,13 @@ def _work_items(kv_lens, cu_q_lens, num_tokens, num_items, block_q, block_kv, pa
   return items, token_first, token_item, token_row, token_valid
 
 
-def _slot_pages(page_indices, items, pages_per_block: int, num_pages: int):
+def _slot_pages(page_indices, items, pages_per_block: int, num_pages: int, steps: int):
   """The page id each page slot fetches at each kv step of each item (module docstring,
   "Skipping"): int32 [num_items, steps * pages_per_block], entry t * pages_per_block + i
-  for slot i at step t. Empty items (all fields 0) fetch their sequence's first page."""
+  for slot i at step t (steps: _grid_steps). Empty items (all fields 0) fetch their
+  sequence's first page."""
   num_seqs, pages_per_seq = page_indices.shape
   n = pages_per_block
-  steps = _kv_steps(pages_per_seq, n)
   first_b, last_b, first_p, last_p = (items[f][:, None, None] for f in
                                       ("first_block", "last_block", "first_page", "last_page"))
   block = jnp.minimum(first_b + jnp.arange(steps)[None, :, None], last_b)
@@ -358,6 +381,7 @@ class _Static:
   pages_per_seq: int
   num_kv_heads: int
   rows: int               # R: rows per KV head in a q block (G * block_q, sublane-padded)
+  group: int              # G: query heads per KV head
   vmem_limit_bytes: int
   interpret: bool
   # Static estimates only (benchmarks/paged_estimate.py): libtpu's estimator reads every
@@ -365,6 +389,8 @@ class _Static:
   # (_ITEM_FIELDS order). A uniform batch's floors equal its values: nothing changes on
   # hardware, and the estimator sees the real trip counts.
   item_floors: tuple[int, ...] | None = None
+  # Rows of the short body for items whose tokens fit them (0: none; see the docstring).
+  small_rows: int = 0
 
 
 def _item(st: _Static, ref, item, field: str):
@@ -401,7 +427,7 @@ def _kernel(*refs, st: _Static):
   num_rows_used = _item(st, rows_ref, item, "rows")
   run = (num_rows_used > 0) & (block <= _item(st, last_block_ref, item, "last_block"))
 
-  def _compute(masked: bool):
+  def _compute(masked: bool, num_rows: int):
     dtype = q_ref.dtype
     if masked:
       kv_len = _item(st, kv_len_ref, item, "kv_len")
@@ -414,7 +440,7 @@ def _kernel(*refs, st: _Static):
       if st.sliding_window is not None:
         needed = needed & (key_rows > q_pos0 - st.sliding_window)
       row = lax.broadcasted_iota(jnp.int32, (num_rows, bkv), 0)
-      token = row & (st.block_q - 1) if st.block_q > 1 else jnp.zeros_like(row)
+      token = _token_of_row(row, st.group) if st.block_q > 1 else jnp.zeros_like(row)
       q_pos = q_pos0 + token
       key = key0 + lax.broadcasted_iota(jnp.int32, (num_rows, bkv), 1)
       visible = key <= jnp.minimum(q_pos, kv_len - 1)
@@ -422,7 +448,7 @@ def _kernel(*refs, st: _Static):
         visible = visible & (q_pos - key < st.sliding_window)
 
     def scores(h):
-      heads = _slice(h, num_rows)       # this KV head's q rows
+      heads = _rows(h, st.rows, num_rows)   # this KV head's (first num_rows) q rows
       page_rows = _slice(h, ps)         # its part of each page block
       k = jnp.concatenate([r[page_rows, :].astype(dtype) for r in k_refs], axis=0)  # (bkv, D)
       s = lax.dot_general(q_ref[heads, :], k, _NT, preferred_element_type=jnp.float32)
@@ -434,7 +460,7 @@ def _kernel(*refs, st: _Static):
       return s
 
     def update(h, s):
-      heads = _slice(h, num_rows)
+      heads = _rows(h, st.rows, num_rows)
       page_rows = _slice(h, ps)
       v = jnp.concatenate([r[page_rows, :].astype(dtype) for r in v_refs], axis=0)
       if masked:
@@ -472,8 +498,13 @@ def _kernel(*refs, st: _Static):
   whole = key0 + bkv - 1 <= q_pos0
   if st.sliding_window is not None:
     whole = whole & (key0 > last_key - st.sliding_window)
-  pl.when(run & whole)(lambda: _compute(False))
-  pl.when(run & jnp.logical_not(whole))(lambda: _compute(True))
+  if st.small_rows:
+    short = num_rows_used * st.group <= st.small_rows
+    pl.when(run & whole & short)(lambda: _compute(False, st.small_rows))
+    pl.when(run & jnp.logical_not(whole) & short)(lambda: _compute(True, st.small_rows))
+    run = run & jnp.logical_not(short)
+  pl.when(run & whole)(lambda: _compute(False, num_rows))
+  pl.when(run & jnp.logical_not(whole))(lambda: _compute(True, num_rows))
 
   @pl.when(step == pl.num_programs(1) - 1)
   def _finish():
@@ -485,6 +516,21 @@ def _kernel(*refs, st: _Static):
       if st.quantized:
         inv = inv * scales_ref[1, h]
       o_ref[heads, :] = (acc_ref[heads, :] * common.lanes(inv, head_dim)).astype(o_ref.dtype)
+
+
+def _token_of_row(row, group: int):
+  """The token of each q row in a token-major block (row // group; exact in f32 for the
+  row counts a block has)."""
+  if group & (group - 1) == 0:
+    return row >> (group.bit_length() - 1)
+  return ((row.astype(jnp.float32) + 0.5) * (1.0 / group)).astype(jnp.int32)
+
+
+def _rows(h, stride: int, size: int):
+  """Rows [h * stride, h * stride + size) for a static or traced h."""
+  if isinstance(h, int):
+    return pl.ds(h * stride, size)
+  return pl.ds(pl.multiple_of(h * stride, stride), size)
 
 
 def _slice(h, size: int):
@@ -499,7 +545,7 @@ def _call(items, slot_pages, scales, q_items, sink_rows, k_pages, v_pages, st: _
   [Wc, steps * pages_per_block] from _slot_pages."""
   num_items, all_rows, head_dim = q_items.shape
   n, ps = st.pages_per_block, st.page_size
-  steps = _kv_steps(st.pages_per_seq, n)
+  steps = _grid_steps(st.pages_per_seq, n, ps, st.block_q, st.sliding_window)
   # A page of every KV head as one 2-D block: [num_pages, Hkv * page_size, D] (free view).
   k_view = k_pages.reshape(k_pages.shape[0], st.num_kv_heads * ps, head_dim)
   v_view = v_pages.reshape(k_view.shape)
@@ -721,8 +767,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
       sliding_window=None if sliding_window is None else int(sliding_window),
       has_sinks=sinks is not None, quantized=quantized, block_q=t.block_q,
       block_kv=t.block_kv, page_size=page_size, pages_per_block=t.pages_per_block,
-      pages_per_seq=pages_per_seq, num_kv_heads=num_kv_heads, rows=t.rows,
-      vmem_limit_bytes=t.vmem_limit_bytes, interpret=bool(interpret))
+      pages_per_seq=pages_per_seq, num_kv_heads=num_kv_heads, rows=t.rows, group=group,
+      vmem_limit_bytes=t.vmem_limit_bytes, interpret=bool(interpret),
+      small_rows=small_rows(t, group, q.dtype))
 
   bq, rows = t.block_q, group * t.block_q
   num_items = num_work_items(num_tokens, num_seqs, bq)
@@ -732,17 +779,19 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
   cu_q_lens = cu_q_lens.astype(jnp.int32)
   items, token_first, token_item, token_row, token_valid = _work_items(
       kv_lens, cu_q_lens, num_tokens, num_items_p, bq, t.block_kv, page_size, sliding_window)
-  slot_pages = _slot_pages(page_indices, items, t.pages_per_block, num_pages)
+  slot_pages = _slot_pages(page_indices, items, t.pages_per_block, num_pages,
+                           _grid_steps(pages_per_seq, t.pages_per_block, page_size, t.block_q,
+                                       sliding_window))
   items = {f: items[f] for f in _ITEM_FIELDS}
 
-  # q -> [W, Hkv * R, D]: per KV head G * bq head-major rows, zero-padded to R; rows past
+  # q -> [W, Hkv * R, D]: per KV head bq * G token-major rows, zero-padded to R; rows past
   # an item's tokens read a zero row.
   offsets = jnp.arange(bq, dtype=jnp.int32)
   src = jnp.where(offsets[None, :] < items["rows"][:, None],
                   token_first[:, None] + offsets[None, :], num_tokens)
   q_rows = jnp.concatenate([q, jnp.zeros((1,) + q.shape[1:], q.dtype)])[src]   # [W, bq, Hq, D]
   q_items = q_rows.reshape(num_items_p, bq, num_kv_heads, group, head_dim)
-  q_items = q_items.transpose(0, 2, 3, 1, 4).reshape(num_items_p, num_kv_heads, rows, head_dim)
+  q_items = q_items.transpose(0, 2, 1, 3, 4).reshape(num_items_p, num_kv_heads, rows, head_dim)
   q_items = jnp.pad(q_items, ((0, 0), (0, 0), (0, t.rows - rows), (0, 0)))
   q_items = q_items.reshape(num_items_p, num_kv_heads * t.rows, head_dim)
 
@@ -752,7 +801,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
                         _scales(v_scale, num_kv_heads, "v_scale")])
   sink_rows = None
   if sinks is not None:
-    per_row = jnp.repeat(sinks.astype(jnp.float32).reshape(num_kv_heads, group), bq, axis=1)
+    per_row = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, group), (1, bq))
     per_row = jnp.pad(per_row, ((0, 0), (0, t.rows - rows)))
     sink_rows = jnp.broadcast_to(per_row.reshape(-1, 1), (num_kv_heads * t.rows, _LANES))
 
@@ -769,10 +818,10 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     out_items = lax.map(call, ({f: split(a) for f, a in items.items()}, split(slot_pages),
                                split(q_items)))
     out_items = out_items.reshape((num_items_p,) + out_items.shape[2:])
-  # Back to tokens: [W, Hkv, G, bq, D] -> [W, bq, Hkv, G, D], one row per token.
+  # Back to tokens: [W, Hkv, bq, G, D] -> [W, bq, Hkv, G, D], one row per token.
   out_items = out_items.reshape(num_items_p, num_kv_heads, t.rows, head_dim)[:, :, :rows]
-  out_items = out_items.reshape(num_items_p, num_kv_heads, group, bq, head_dim)
-  out = out_items.transpose(0, 3, 1, 2, 4)[token_item, token_row]       # [T, Hkv, G, D]
+  out_items = out_items.reshape(num_items_p, num_kv_heads, bq, group, head_dim)
+  out = out_items.transpose(0, 2, 1, 3, 4)[token_item, token_row]       # [T, Hkv, G, D]
   out = jnp.where(token_valid[:, None, None, None], out, jnp.zeros_like(out))
   return out.reshape(num_tokens, num_q_heads, head_dim)
 

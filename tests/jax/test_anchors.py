@@ -190,6 +190,28 @@ def test_ragged_paged_static_loops_and_bytes():
     anchors.RaggedPagedAnchor(2048, num_queries_per_block=48).validate()
 
 
+def test_rpa_serving_parts_loops_and_bytes():
+  """The serving anchor rates decodes at whole q blocks (scaled back) and prefill chunks
+  per q block; each q block re-reads its sequence's pages (jax's RPA skips none)."""
+  a = anchors.RaggedPagedServingAnchor(headline.PagedBatch(decode=60, prefill=4))
+  a.validate()
+  assert a.parts() == [("decode", 60, 64, 1, 2048), ("prefill", 4, 4, 512, 2048)]
+  assert a.pages_per_block == 32
+  token = 2 * 8 * 128 * 2
+  assert a.hbm_bytes() == (60 * 2048 + 4 * 16 * 2048) * token + 2 * (60 + 2048) * 32 * 128 * 2
+  model = {json.dumps(t): 100 * t[1] for t in a.truncations}
+  assert a.extrapolate(model) == 100 * 60 + 100 * 4
+  w = anchors.RaggedPagedServingAnchor(headline.PagedBatch(context=32768, sliding_window=4096))
+  # Long contexts: rated at 2k and 4k, linear in kv blocks (2048 keys each) to 16 blocks.
+  model = {json.dumps(t): 5 + 7 * (t[3] // 2048) for t in w.truncations}
+  assert w.extrapolate(model) == 5 + 7 * 16
+  assert w.hbm_bytes() == 64 * 32768 * token + 2 * 64 * 32 * 128 * 2   # no window skipping
+  assert anchors.RaggedPagedServingAnchor(headline.PagedBatch(page_size=16)).pages_per_block \
+      == 128
+  with pytest.raises(ValueError, match="whole q blocks"):
+    anchors.RaggedPagedServingAnchor(headline.PagedBatch(prefill=1, chunk=48)).validate()
+
+
 @pytest.mark.parametrize("key,trunc", [("gmm:512:down:default:128", [2]),
                                        ("attn:splash:4096:128", [1, 2]),
                                        ("attn:flash:4429:128:joint:SD3.5-medium 1024x1024",

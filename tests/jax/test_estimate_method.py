@@ -247,3 +247,83 @@ def test_merge_replaces_rerated_rows_in_place(estimate):
   assert estimate.merged(old, new) == [row("a", "ours", "v5e", 1), row("a", "xla", "v5e", 20),
                                        row("a", "anchor", "v5e", 21), row("b", "ours", "v5e", 3),
                                        row("c", "ours", "v5e", 4)]
+
+
+# ------------------------------------------------------------- serving paged shapes (issue 28)
+
+
+def _brute_visible(case):
+  """(query-key pairs, distinct keys read) of a PagedBatch by enumeration."""
+  pairs, keys = 0, 0
+  for q_len, kv_len in case.sequences():
+    seen = set()
+    for p in range(kv_len - q_len, kv_len):
+      vis = [j for j in range(kv_len) if j <= p and (case.sliding_window is None
+                                                       or p - j < case.sliding_window)]
+      pairs += len(vis)
+      seen.update(vis)
+    keys += len(seen)
+  return pairs, keys
+
+
+@pytest.mark.parametrize("kw", [dict(decode=3, context=9), dict(decode=0, prefill=2, chunk=4,
+                                                                prefill_context=10),
+                                dict(decode=2, context=20, prefill=1, chunk=5,
+                                     prefill_context=12, sliding_window=3),
+                                dict(decode=1, context=7, sliding_window=30)])
+def test_paged_batch_counts_only_visible_keys(kw):
+  case = headline.PagedBatch(q_heads=4, kv_heads=2, head_dim=8, **kw)
+  pairs, keys = _brute_visible(case)
+  assert case.flops() == 4 * 4 * 8 * pairs
+  tokens = sum(q for q, _ in case.sequences())
+  assert case.min_bytes() == 2 * keys * 2 * 8 * 2 + 2 * tokens * 4 * 8 * 2
+
+
+def test_paged_batch_decode_equals_paged_decode_and_window_reads_the_window():
+  assert headline.PagedBatch().flops() == headline.PagedDecode(2048).flops()
+  assert headline.PagedBatch().min_bytes() == headline.PagedDecode(2048).min_bytes()
+  w = headline.PagedBatch(context=32768, sliding_window=4096)
+  assert w.min_bytes() == headline.PagedDecode(4096).min_bytes()
+  with pytest.raises(ValueError, match="sequences"):
+    headline.PagedBatch(decode=0)
+  with pytest.raises(ValueError, match="chunk"):
+    headline.PagedBatch(prefill=1, chunk=600, prefill_context=512)
+
+
+def test_serving_rows_cover_the_issue_and_are_memory_bound():
+  from tpu_kernels import chips
+  rows = headline.SERVING_PAGED
+  names = [c.name for c in headline.ALL_CASES]
+  assert len(set(names)) == len(names)
+  assert {c.page_size for c in rows} >= {16, 32, 256}   # page 64: HEADLINE's row
+  assert any(c.decode and c.prefill for c in rows)
+  assert {c.kv_dtype for c in rows} >= {"int8", "float8_e4m3fn"}
+  assert any(c.sliding_window for c in rows)
+  for c in rows:
+    assert headline.by_name(c.name) is c and c.name.startswith("paged_attention serving")
+    for chip in ("v5e", "v6e"):
+      ch = chips.get_chip(chip)
+      assert c.flops() / ch.bf16_flops_per_s < c.min_bytes() / ch.hbm_bytes_per_s
+
+
+def test_paged_batch_items_classes_and_hbm_replay():
+  """The estimate's bookkeeping for a mixed step and a windowed decode: classes cover every
+  work item; a decode batch's replayed bytes are each page of the window once plus the
+  padded q / out blocks."""
+  import paged_estimate as pe
+  mixed = headline.PagedBatch(decode=60, prefill=4)
+  t = pe.batch_tiling(mixed, "v6e")
+  tables = pe.batch_items(mixed, t)
+  classes = pe.item_classes(mixed, t, tables["items"])
+  assert sum(n for _, n in classes) == len(tables["items"]["rows"])
+  by_rows = {}
+  for floors, n in classes:
+    by_rows[floors[0]] = by_rows.get(floors[0], 0) + n
+  assert by_rows[1] == 60 and by_rows[t.block_q] == 4 * 512 // t.block_q
+  for case in (headline.PagedBatch(), headline.PagedBatch(context=32768, sliding_window=4096),
+               headline.PagedBatch(page_size=16)):
+    t = pe.batch_tiling(case, "v6e")
+    slot_pages = pe.batch_items(case, t)["slot_pages"]
+    kv = min(case.context, case.sliding_window or case.context)
+    q_blocks = 2 * 64 * 8 * t.rows * 128 * 2
+    assert pe.batch_hbm_bytes(case, t, slot_pages) == 2 * 64 * kv * 8 * 128 * 2 + q_blocks

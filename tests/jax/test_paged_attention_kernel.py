@@ -427,7 +427,8 @@ def test_slot_pages_fetch_each_needed_page_once(pages_per_block):
                first_block=first_page // n, last_block=last_page // n)
   slot_pages = np.asarray(pa._slot_pages(jnp.asarray(page_indices, jnp.int32),
                                          {k: jnp.asarray(v) for k, v in items.items()}, n,
-                                         num_pages=page_indices.size))
+                                         num_pages=page_indices.size,
+                                         steps=-(-pages_per_seq // n)))
   steps = -(-pages_per_seq // n)
   assert slot_pages.shape == (len(rows), steps * n)
   where = {int(page_indices[s, j]): (s, j) for s in range(num_seqs)
