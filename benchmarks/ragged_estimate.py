@@ -355,11 +355,15 @@ def quantized_decode_table(rows: list[dict], case_names) -> str:
          f"| best bf16 anchor µs | ours vs it (>= {SPEEDUP_GOAL}x) | tokamax quantized µs "
          "| XLA µs | ours bf16 µs | goals met |",
          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+  chips = sorted({r["chip"] for r in rows})
   for case in case_names:
-    for chip in sorted({r["chip"] for r in rows if r["case"] == case}):
+    for chip in chips:
       ours = predicted(case, chip, "ours")
       if not ours:
-        out.append(f"| {case} | {chip} | not rated |||||||||")
+        failed = [r for r in rows if r["case"] == case and r["chip"] == chip
+                  and r["source"] == "ours"]
+        why = (failed[0].get("error") or "")[:120] if failed else "no row yet"
+        out.append(f"| {case} | {chip} | not rated: {why} |||||||||")
         continue
       o = ours[0]
       bf16 = bf16_case_name(case)
