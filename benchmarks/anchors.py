@@ -352,11 +352,13 @@ def _divisor_tile(dim: int, target: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class GmmClosedForm:
-  """megablox make_group_metadata for balanced routing: m = groups * rows, powers of two."""
+  """megablox make_group_metadata for balanced routing: m = groups * rows, powers of two;
+  with total_groups > groups, the groups past the first `groups` are empty (not visited)."""
 
   m: int
   groups: int
   tm: int
+  total_groups: int | None = None
 
   @property
   def rows(self) -> int:
@@ -367,7 +369,10 @@ class GmmClosedForm:
     return self.groups if self.rows <= self.tm else self.m // self.tm
 
   def group_offset(self, g):
-    return g * self.rows
+    if not self.total_groups:
+      return g * self.rows
+    import jax.numpy as jnp   # g: int, numpy or traced
+    return jnp.minimum(g, self.groups) * self.rows
 
   def group_id(self, v):
     return v if self.rows <= self.tm else v >> _log2(self.rows // self.tm)
@@ -384,11 +389,12 @@ class GmmClosedForm:
     make_group_metadata = make_group_metadata or _module("megablox.gmm").make_group_metadata
     assert self.rows * self.groups == self.m
     _log2(self.rows), _log2(self.tm)
-    sizes = jnp.full((self.groups,), self.rows, jnp.int32)
+    total = self.total_groups or self.groups
+    sizes = jnp.zeros((total,), jnp.int32).at[:self.groups].set(self.rows)
     (offsets, gids, mtiles), num = jax.jit(lambda s: make_group_metadata(
         group_sizes=s, m=self.m, tm=self.tm, start_group=jnp.int32(0),
-        num_nonzero_groups=self.groups, visit_empty_groups=False))(sizes)
-    v, g = np.arange(self.num_tiles), np.arange(self.groups + 1)
+        num_nonzero_groups=total, visit_empty_groups=False))(sizes)
+    v, g = np.arange(self.num_tiles), np.arange(total + 1)
     assert int(num) == self.num_tiles, (int(num), self.num_tiles)
     np.testing.assert_array_equal(np.asarray(offsets), self.group_offset(g))
     np.testing.assert_array_equal(np.asarray(gids)[:self.num_tiles], self.group_id(v))
@@ -398,20 +404,37 @@ class GmmClosedForm:
 GMM_TRUNCATED_VISITS = (4, 8)
 
 
+def _tile(dim: int, target: int) -> int:
+  """_divisor_tile, or `target` (a masked last block) when no 128-multiple divides dim
+  (gpt-oss's 2880 = 2^6 * 45)."""
+  try:
+    return _divisor_tile(dim, target)
+  except ValueError:
+    return target
+
+
 @dataclasses.dataclass(frozen=True)
 class GmmAnchor:
   m: int
   part: str
   tiling_name: str          # "default" or "512x1024x1024"
   groups: int = 128
+  model: str = "Qwen3-30B-A3B"        # one of headline.MOE_MODELS (groups: its experts)
+  weight_dtype: str = "bfloat16"      # tokamax only: int8 / float8_e4m3fn weights
 
   @property
   def case(self):
-    return headline.GroupedMatmul(self.m, self.part, groups=self.groups)
+    if (self.model, self.weight_dtype) == ("Qwen3-30B-A3B", "bfloat16"):
+      return headline.GroupedMatmul(self.m, self.part, groups=self.groups)
+    case = headline.GroupedMatmul.of(self.model, self.m, self.part, self.weight_dtype)
+    assert case.groups == self.groups, (case, self.groups)
+    return case
 
   @property
   def key(self) -> str:
-    return f"gmm:{self.m}:{self.part}:{self.tiling_name}:{self.groups}"
+    extra = "" if (self.model, self.weight_dtype) == ("Qwen3-30B-A3B", "bfloat16") else \
+        f":{self.model}:{self.weight_dtype}"
+    return f"gmm:{self.m}:{self.part}:{self.tiling_name}:{self.groups}{extra}"
 
   @property
   def tiling(self) -> tuple[int, int, int]:
@@ -419,10 +442,13 @@ class GmmAnchor:
     if self.tiling_name == "default":
       return (128, 128, 128)   # gmm's default tiling argument
     tm, tk, tn = (int(x) for x in self.tiling_name.split("x"))
-    return (min(tm, self.m), _divisor_tile(c.k, tk), _divisor_tile(c.n_weight, tn))
+    return (min(tm, self.m), _tile(c.k, tk), _tile(c.n_weight, tn))
 
   @property
   def closed_form(self) -> GmmClosedForm:
+    c = self.case
+    if c.active_groups < self.groups:   # decode: fewer rows than experts
+      return GmmClosedForm(self.m, c.active_groups, self.tiling[0], self.groups)
     return GmmClosedForm(self.m, self.groups, self.tiling[0])
 
   @property
@@ -489,10 +515,14 @@ class GmmAnchor:
     n_tiles, k_tiles = -(-c.n_weight // tn), -(-c.k // tk)
     visits = cf.num_tiles if visits is None else visits
     steps = ((j, v, kk) for j in range(n_tiles) for v in range(visits) for kk in range(k_tiles))
-    return replay(steps, [
+    blocks = [
         ("lhs", lambda j, v, kk: (cf.m_tile_id(v), kk), tm * tk * 2),
-        ("rhs", lambda j, v, kk: (cf.group_id(v), kk, j), tk * tn * 2),
-        ("out", lambda j, v, kk: (cf.m_tile_id(v), j), tm * tn * 2)])
+        ("rhs", lambda j, v, kk: (cf.group_id(v), kk, j),
+         tk * tn * headline.ITEMSIZE[c.weight_dtype]),
+        ("out", lambda j, v, kk: (cf.m_tile_id(v), j), tm * tn * 2)]
+    if c.quantized:   # its (G, 1, n) scale, repeated to an (8, tn) f32 block (quant_block_spec)
+      blocks.append(("scale", lambda j, v, kk: (cf.group_id(v), j), 8 * tn * 4))
+    return replay(steps, blocks)
 
   def hand(self, chip) -> dict:
     """Every active tile is a full tm-row matmul over all of k and n (rows of other groups
@@ -564,20 +594,23 @@ class TokamaxGmmAnchor(_Tokamax, GmmAnchor):
 
   @property
   def key(self) -> str:
-    return f"tokamax-gmm:{self.m}:{self.part}:{self.tiling_name}:{self.groups}"
+    return "tokamax-" + GmmAnchor.key.fget(self)
 
   @property
   def tiling(self) -> tuple[int, int, int]:
-    if self.tiling_name == "heuristic":
-      return (128, 128, 128)
-    return GmmAnchor(self.m, self.part, self.tiling_name, self.groups).tiling
+    if self.tiling_name == "heuristic":   # tm clipped to m below 128 rows (see `note`)
+      return (min(128, self.m), 128, 128)
+    return GmmAnchor(self.m, self.part, self.tiling_name, self.groups, self.model,
+                     self.weight_dtype).tiling
 
   @property
   def implementation(self) -> str:
     tm, tk, tn = self.tiling
     label = "heuristic config" if self.tiling_name == "heuristic" else "tiling"
+    quant = "" if self.weight_dtype == "bfloat16" else \
+        f", {headline.WEIGHT_TAG[self.weight_dtype]} weights (qwix QArray)"
     return (f"tokamax ragged_dot mosaic_tpu (tokamax {self.tokamax_version}, jax "
-            f"{_jax().__version__}, {label} {tm}x{tk}x{tn})")
+            f"{_jax().__version__}, {label} {tm}x{tk}x{tn}{quant})")
 
   @property
   def method(self) -> str:
@@ -590,7 +623,22 @@ class TokamaxGmmAnchor(_Tokamax, GmmAnchor):
         "not fused in gmm", "not fused in tokamax's ragged_dot (its `activation` is ungated)") + (
         " On v6e the estimator rates this kernel 0 cycles whenever tk or tn exceeds 128 "
         "(seen at 128x256x128, 128x128x256, 256x256x256, 512x768x1024; 512x128x128 and "
-        "1024x128x128 rate normally, and every tiling rates on v5e).")
+        "1024x128x128 rate normally, and every tiling rates on v5e).") + self.quant_note
+
+  @property
+  def quant_note(self) -> str:
+    note = ""
+    if self.case.quantized:
+      note += (" Quantized: rhs is a qwix QArray (int8 / float8_e4m3fn values, a float32 "
+               "(G, 1, n) per-output-channel scale: tokamax's full-channel 'STRATEGY 1'), "
+               "lhs bf16 (not quantized): the kernel multiplies bf16 x 1-byte values and "
+               "scales each k tile's product; its scale, repeated to an (8, tn) block by "
+               "quant_block_spec (an XLA op, not rated), is counted in hbm_bytes.")
+    if self.m < 128:
+      note += (f" m={self.m} < 128: tokamax.ragged_dot refuses it (NotImplementedError: "
+               "'inputs must be >= 128', so the op falls back to another implementation); "
+               f"this row is its kernel called directly with tm={self.m}.")
+    return note
 
   def validate(self) -> None:
     """Checked in the child, where tokamax imports (`build`)."""
@@ -606,9 +654,10 @@ class TokamaxGmmAnchor(_Tokamax, GmmAnchor):
     c, cf = self.case, self.closed_form
     m, k, n = self.m, c.k, c.n_weight
     if self.tiling_name == "heuristic":   # (0.0.17 has no such table below TPU7x)
-      assert (m, k, n, self.groups, False) not in getattr(tpu_op, "GMM_TILING_TUNED_LUT", {})
+      assert (m, k, n, self.groups, c.quantized) not in getattr(tpu_op, "GMM_TILING_TUNED_LUT",
+                                                                 {})
       default = tpu_op.Config()
-      assert (default.tile_m, default.tile_k, default.tile_n,
+      assert (min(default.tile_m, m), default.tile_k, default.tile_n,
               default.input_buffer_count) == (*self.tiling, 2), default
     cf.check(B.make_group_metadata)
     num_meta = m // self.tiling[0] + self.groups - 1
@@ -619,7 +668,11 @@ class TokamaxGmmAnchor(_Tokamax, GmmAnchor):
       kernel, grid_spec = _visible_grid_spec(kernel, grid_spec, forms)
       return buffered_call(kernel, out_shape, grid_spec, compiler_params, **kw)
 
-    def fn(lhs, rhs, offsets, gids, mtiles):
+    def fn(lhs, rhs, *rest):
+      *scale, offsets, gids, mtiles = rest
+      if scale:   # the quantized weights as tokamax takes them
+        import qwix
+        rhs = qwix.QArray(qvalue=rhs, scale=scale[0])
       metadata = lambda **kw: ((offsets, gids, mtiles), visits)
       with mock.patch.object(common, "custom_buffered_pallas_call", visible_buffered_call), \
           mock.patch.object(B, "make_group_metadata", metadata):
@@ -628,8 +681,9 @@ class TokamaxGmmAnchor(_Tokamax, GmmAnchor):
                      tiling=self.tiling, input_buffer_count=self.input_buffer_count)
 
     S = jax.ShapeDtypeStruct
-    return fn, [S((m, k), jnp.bfloat16), S((self.groups, k, n), jnp.bfloat16),
-                S((self.groups + 1,), jnp.int32), S((num_meta,), jnp.int32),
+    scale = [S((self.groups, 1, n), jnp.float32)] if c.quantized else []
+    return fn, [S((m, k), jnp.bfloat16), S((self.groups, k, n), jnp.dtype(c.weight_dtype)),
+                *scale, S((self.groups + 1,), jnp.int32), S((num_meta,), jnp.int32),
                 S((num_meta,), jnp.int32)]
 
 
@@ -1560,8 +1614,31 @@ def _specs_list():
   for ctx in (2048, 32768):
     out += [PagedAnchor(ctx), RaggedPagedAnchor(ctx)]
   out += [RaggedPagedServingAnchor(c) for c in headline.SERVING_PAGED]
+  out += quantized_decode_anchors()
   import anchors_tpu_inference   # (here: it imports this module) tpu-inference 0.32.0's kernels
   return out + anchors_tpu_inference.specs()
+
+
+# jax's megablox gmm has no quantized path (bf16 / f32 operands only): beside the quantized
+# rows only tokamax's ragged_dot is rated (tpu-inference's quantized MoE is added later).
+# One tiling each: the large one, the faster of the two tilings at every bf16 headline row.
+# tokamax's heuristic config (128x128x128) at Qwen3-30B-A3B gate_up int8 m=64 rated
+# 6,408 µs on v5e (vs 338 µs at the large tiling) and aborts the estimator on v6e
+# ("Unsupported DMA direction"), as it does on v5e at Mixtral-8x7B: not rated here.
+QUANTIZED_TILING = "512x1024x1024"
+
+
+def quantized_decode_anchors() -> list:
+  """Anchors of headline.QUANTIZED_DECODE (issue 28): tokamax's quantized ragged_dot beside
+  each int8 / fp8 row, megablox gmm beside each added bf16 row."""
+  out = []
+  for case in headline.QUANTIZED_DECODE:
+    common = dict(groups=case.groups, model=case.model, weight_dtype=case.weight_dtype)
+    if case.quantized:
+      out.append(TokamaxGmmAnchor(case.m, case.part, QUANTIZED_TILING, **common))
+    else:
+      out.append(GmmAnchor(case.m, case.part, QUANTIZED_TILING, **common))
+  return out
 
 
 @functools.cache

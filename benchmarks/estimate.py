@@ -134,8 +134,7 @@ TRUNCATED_VISITS = (4, 8)
 
 
 def _gmm(case: headline.GroupedMatmul, chip: str) -> ragged_estimate.GmmCase:
-  return ragged_estimate.GmmCase(case.m, case.groups, case.k, case.n_out,
-                                 case.part == "gate_up+silu", chip=chip)
+  return ragged_estimate.gmm_case(case, chip)
 
 
 def _ragged_pallas(case: headline.GroupedMatmul, chip: str) -> dict:

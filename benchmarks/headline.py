@@ -44,23 +44,43 @@ class RmsNorm:
     return (2 * self.rows * self.hidden + self.hidden) * ITEMSIZE[self.dtype]
 
 
+# MoE expert shapes: (experts, hidden, expert width). gpt-oss-20b: 32 experts (its Hub
+# config.json; Transformers 5.23's GptOssConfig defaults, 128 experts, are gpt-oss-120b's),
+# hidden = width = 2880 in both.
+MOE_MODELS = {"Qwen3-30B-A3B": (128, 2048, 768), "Mixtral-8x7B": (8, 4096, 14336),
+              "gpt-oss-20b": (32, 2880, 2880)}
+WEIGHT_TAG = {"bfloat16": "bf16", "int8": "int8", "float8_e4m3fn": "fp8"}
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupedMatmul:
-  """One projection of a MoE layer's experts: lhs [m, k] routed to `groups` experts
-  (balanced: m / groups rows each), weights [groups, k, n] (gate_up: n = 2 * width,
-  silu(gate) * up in the epilogue, output [m, width])."""
+  """One projection of a MoE layer's experts: lhs [m, k] routed to the experts (balanced:
+  m / groups rows each; with fewer rows than experts, m experts of one row each and the
+  rest empty), weights [groups, k, n] (gate_up: n = 2 * width, the gated unit in the
+  epilogue, output [m, width]). Weights in `weight_dtype`: bf16, or int8 / float8_e4m3fn
+  with a per-output-channel `scale_dtype` scale [groups, n]; activations in `dtype`."""
 
   m: int
-  part: str                 # "gate_up+silu" or "down"
+  part: str                 # "gate_up+silu", "gate_up+gpt_oss" or "down"
   groups: int = 128         # Qwen3-30B-A3B: 128 experts, hidden 2048, expert width 768
   hidden: int = 2048
   width: int = 768
   dtype: str = "bfloat16"
+  model: str = "Qwen3-30B-A3B"
+  weight_dtype: str = "bfloat16"
+  scale_dtype: str = "float32"
   kernel = "ragged-dot-tpu"
+
+  @classmethod
+  def of(cls, model: str, m: int, part: str, weight_dtype: str = "bfloat16"):
+    """The case of one of MOE_MODELS."""
+    groups, hidden, width = MOE_MODELS[model]
+    return cls(m, part, groups=groups, hidden=hidden, width=width, model=model,
+               weight_dtype=weight_dtype)
 
   @property
   def name(self) -> str:
-    return f"ragged_dot Qwen3-30B-A3B {self.part} bf16 m={self.m}"
+    return f"ragged_dot {self.model} {self.part} {WEIGHT_TAG[self.weight_dtype]} m={self.m}"
 
   @property
   def bound(self) -> str:
@@ -68,23 +88,39 @@ class GroupedMatmul:
     return "memory" if self.m <= 1024 else "compute"
 
   @property
+  def gated(self) -> bool:
+    return self.part.startswith("gate_up")
+
+  @property
+  def quantized(self) -> bool:
+    return ITEMSIZE[self.weight_dtype] == 1
+
+  @property
+  def active_groups(self) -> int:
+    """Experts with rows: the weights a step reads (empty experts are not visited)."""
+    return min(self.groups, self.m)
+
+  @property
   def k(self) -> int:
-    return self.hidden if self.part == "gate_up+silu" else self.width
+    return self.hidden if self.gated else self.width
 
   @property
   def n_weight(self) -> int:
-    return 2 * self.width if self.part == "gate_up+silu" else self.hidden
+    return 2 * self.width if self.gated else self.hidden
 
   @property
   def n_out(self) -> int:
-    return self.width if self.part == "gate_up+silu" else self.hidden
+    return self.width if self.gated else self.hidden
 
   def flops(self) -> int:
     return 2 * self.m * self.k * self.n_weight
 
   def min_bytes(self) -> int:
     s = ITEMSIZE[self.dtype]
-    return (self.m * self.k + self.groups * self.k * self.n_weight + self.m * self.n_out) * s
+    weights = self.active_groups * self.k * self.n_weight * ITEMSIZE[self.weight_dtype]
+    scales = self.active_groups * self.n_weight * ITEMSIZE[self.scale_dtype] \
+        if self.quantized else 0
+    return (self.m * self.k + self.m * self.n_out) * s + weights + scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,7 +385,15 @@ DIFFUSION_ATTENTION: tuple = (
     # 81 frames -> 21 latent frames, 480 x 832 px -> 60 x 104 latents, 2 x 2 patches
     JointAttention("Wan2.1-14B 480x832x81", 21 * 30 * 52, heads=40, head_dim=128),
 )
-QUANTIZED_DECODE: tuple = ()      # int8 / fp8 expert weights at decode (issue 28)
+QUANTIZED_DECODE: tuple = tuple(   # int8 / fp8 expert weights at decode (issue 28)
+    GroupedMatmul.of(model, m, part, weight_dtype)
+    for model, gate_up in (("Qwen3-30B-A3B", "gate_up+silu"), ("Mixtral-8x7B", "gate_up+silu"),
+                           ("gpt-oss-20b", "gate_up+gpt_oss"))
+    for m in (64, 512)
+    for part in (gate_up, "down")
+    for weight_dtype in ("bfloat16", "int8", "float8_e4m3fn")
+    # the bf16 rows every quantized row is compared with (Qwen3 m=512 is in HEADLINE)
+    if not (weight_dtype == "bfloat16" and model == "Qwen3-30B-A3B" and m == 512))
 # the whole experts op as one program (issue 28). gpt-oss-20b routes to 4 experts
 # (experts_per_token 4 in its config.json; transformers' GptOssConfig num_experts_per_tok=4),
 # not the 8 the issue names.

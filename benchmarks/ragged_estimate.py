@@ -48,11 +48,14 @@ def _log2(x: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class BalancedTable:
-  """The visit table of balanced routing: m = G * rows, every group `rows` rows."""
+  """The visit table of balanced routing: m = G * rows, every group `rows` rows; with
+  `total_groups` > groups, the groups past the first `groups` are empty (decode with
+  fewer rows than experts: they are not visited)."""
 
   m: int
   groups: int
   block_m: int
+  total_groups: int | None = None   # groups of the weights (None: `groups`)
 
   @property
   def rows(self) -> int:
@@ -76,19 +79,21 @@ class BalancedTable:
             R._K_PIN: -1 + 0 * v}[field]
 
   def group_sizes(self) -> jax.Array:
-    """The routing this table is for: [groups] int32."""
+    """The routing this table is for: [total_groups or groups] int32 (the empty groups last)."""
     assert self.rows * self.groups == self.m
     _log2(self.rows), _log2(self.block_m)
-    return jnp.full((self.groups,), self.rows, jnp.int32)
+    total = self.total_groups or self.groups
+    return jnp.zeros((total,), jnp.int32).at[:self.groups].set(self.rows)
 
   def check(self, num_k_tiles: int) -> None:
     """The closed form equals ragged_dot.group_metadata for concrete group sizes."""
     sizes = self.group_sizes()
+    total = sizes.shape[0]
     metadata = jax.jit(functools.partial(
-        R.group_metadata, group_offset=0, num_local_groups=self.groups, m=self.m,
+        R.group_metadata, group_offset=0, num_local_groups=total, m=self.m,
         block_m=self.block_m, num_k_tiles=num_k_tiles, zero_visits=True, interpret=True))
     table, count = metadata(sizes)
-    num_v = R.max_visits(self.m, self.block_m, self.groups)
+    num_v = R.max_visits(self.m, self.block_m, total)
     table = np.asarray(table).reshape(R._NUM_FIELDS, num_v)
     assert int(count) == self.num_visits, (int(count), self.num_visits)
     v = np.arange(self.num_visits)
@@ -146,7 +151,9 @@ def visible_table(table: BalancedTable, num_v: int):
 
 @dataclasses.dataclass(frozen=True)
 class GmmCase:
-  """One forward grouped matmul at balanced routing, weights (G, n, k) (transpose_rhs)."""
+  """One forward grouped matmul at balanced routing: lhs (m, k) in `dtype`, weights
+  (G, n, k) (transpose_rhs) or (G, k, n) in `weight_dtype`, with a float32 (G, n) scale
+  when that is int8 / float8_e4m3fn; output in `out_dtype` (default `dtype`)."""
 
   m: int
   groups: int
@@ -156,32 +163,52 @@ class GmmCase:
   chip: str
   dtype: str = "bfloat16"
   blocks: tuple[int, int, int] | None = None   # (block_m, block_k, block_n); None: the kernel's
-  out_dtype: str | None = None                 # None: dtype (the experts layer's down: float32)
-
-  @property
-  def out(self):
-    return jnp.dtype(self.out_dtype or self.dtype)
+  weight_dtype: str | None = None   # None: `dtype`
+  out_dtype: str | None = None      # None: `dtype`
+  active_groups: int | None = None  # groups with rows (None: all); the rest are empty
+  transpose_rhs: bool = True
 
   @property
   def num_rhs(self) -> int:
     return 2 if self.gated else 1
 
+  @property
+  def rhs_dtype(self):
+    return jnp.dtype(self.weight_dtype or self.dtype)
+
+  @property
+  def result_dtype(self):
+    return jnp.dtype(self.out_dtype or self.dtype)
+
+  @property
+  def quantized(self) -> bool:
+    return self.rhs_dtype in R.QUANTIZED_DTYPES
+
+  @property
+  def rows_groups(self) -> int:
+    return self.active_groups or self.groups
+
   def tiling(self) -> R.Tiling:
     dt = jnp.dtype(self.dtype)
     block_m, block_k, block_n = self.blocks or (None, None, None)
     return R.gmm_tiling(self.m, self.k, self.n_out, num_groups=self.groups, lhs_dtype=dt,
-                        rhs_dtype=dt, out_dtype=self.out, num_rhs=self.num_rhs,
-                        n_must_divide=self.n_out if self.gated else None, chip=self.chip,
-                        block_m=block_m, block_k=block_k, block_n=block_n)
+                        rhs_dtype=self.rhs_dtype, out_dtype=self.result_dtype,
+                        num_rhs=self.num_rhs, n_must_divide=self.n_out if self.gated else None,
+                        chip=self.chip, block_m=block_m, block_k=block_k, block_n=block_n)
 
   def table(self) -> BalancedTable:
-    return BalancedTable(self.m, self.groups, self.tiling().block_m)
+    if self.active_groups is None:
+      return BalancedTable(self.m, self.groups, self.tiling().block_m)
+    return BalancedTable(self.m, self.active_groups, self.tiling().block_m, self.groups)
 
   def specs(self):
+    """lhs, weight, [scale (G, n) float32 if quantized], visit table."""
     dt = jnp.dtype(self.dtype)
     n_full = self.num_rhs * self.n_out
+    w_shape = (self.groups, n_full, self.k) if self.transpose_rhs else (self.groups, self.k, n_full)
+    scale = [jax.ShapeDtypeStruct((self.groups, n_full), jnp.float32)] if self.quantized else []
     return [jax.ShapeDtypeStruct((self.m, self.k), dt),
-            jax.ShapeDtypeStruct((self.groups, n_full, self.k), dt),
+            jax.ShapeDtypeStruct(w_shape, self.rhs_dtype), *scale,
             jax.ShapeDtypeStruct((self.table_size,), jnp.int32)]
 
   @property
@@ -189,7 +216,7 @@ class GmmCase:
     return R._NUM_FIELDS * R.max_visits(self.m, self.tiling().block_m, self.groups)
 
   def function(self, num_visits: int, interpret: bool = False):
-    """fn(lhs, weight, table): the kernel over the first `num_visits` visits of the
+    """fn(lhs, weight, [scale,] table): the kernel over the first `num_visits` visits of the
     balanced table, with the table visible to the estimator.
 
     The visit table is an input (what `group_metadata(group_sizes)` returns), not built
@@ -198,13 +225,15 @@ class GmmCase:
     num_v = R.max_visits(self.m, t.block_m, self.groups)
     epilogue = R.Epilogue(activation="silu", gated=True) if self.gated else R.Epilogue()
 
-    def fn(lhs, w, visit_table):
-      ops = [(w, 0), (w, self.n_out // t.block_n)] if self.gated else [(w, 0)]
+    def fn(lhs, w, *rest):
+      *scale, visit_table = rest
+      ops = lambda a: [(a, 0), (a, self.n_out // t.block_n)] if self.gated else [(a, 0)]
       metadata = lambda *args, **kwargs: (visit_table, jnp.int32(num_visits))
       with visible_table(table, num_v), mock.patch.object(R, "group_metadata", metadata):
-        return R._gmm_call(lhs, ops, [], [], None, 0, t, n_out=self.n_out,
-                           transpose_rhs=True, epilogue=epilogue, out_dtype=self.out,
-                           chip=self.chip, interpret=interpret, num_visits=num_visits)
+        return R._gmm_call(lhs, ops(w), ops(scale[0]) if scale else [], [], None, 0, t,
+                           n_out=self.n_out, transpose_rhs=self.transpose_rhs,
+                           epilogue=epilogue, out_dtype=self.result_dtype, chip=self.chip,
+                           interpret=interpret, num_visits=num_visits)
 
     return fn
 
@@ -212,16 +241,19 @@ class GmmCase:
     return 2 * self.m * self.k * self.n_out * self.num_rhs
 
   def min_bytes(self) -> int:
-    item = jnp.dtype(self.dtype).itemsize
-    return (item * (self.m * self.k + self.groups * self.k * self.n_out * self.num_rhs) +
-            self.out.itemsize * self.m * self.n_out)
+    item, w_item = jnp.dtype(self.dtype).itemsize, self.rhs_dtype.itemsize
+    n_full = self.n_out * self.num_rhs
+    scales = self.rows_groups * n_full * 4 if self.quantized else 0
+    return (item * self.m * self.k + w_item * self.rows_groups * self.k * n_full + scales +
+            self.result_dtype.itemsize * self.m * self.n_out)
 
   def hbm_bytes(self, num_visits: int | None = None) -> int:
     """Bytes the grid moves: replays (n tile, visit, k tile) through the index maps; a
     block is fetched (or written back) whenever its block index changes between steps."""
     t, table = self.tiling(), self.table()
     visits = table.num_visits if num_visits is None else num_visits
-    item = jnp.dtype(self.dtype).itemsize
+    item, w_item = jnp.dtype(self.dtype).itemsize, self.rhs_dtype.itemsize
+    out_item = self.result_dtype.itemsize
     bm, bk, bn = t.block_m, t.block_k, t.block_n
     n_tiles, k_tiles = -(-self.n_out // bn), -(-self.k // bk)
     moved, last = 0, {}
@@ -238,8 +270,10 @@ class GmmCase:
         for kk in range(k_tiles):
           touch("lhs", (tile, kk), bm * bk * item)
           for r in range(self.num_rhs):
-            touch(f"rhs{r}", (group, j, kk), bn * bk * item)
-        touch("out", (tile, j), bm * bn * self.out.itemsize)   # written back when the block changes
+            touch(f"rhs{r}", (group, j, kk), bn * bk * w_item)
+            if self.quantized:   # the (1, bn) float32 scale row of the group
+              touch(f"scale{r}", (group, j), bn * 4)
+        touch("out", (tile, j), bm * bn * out_item)   # written back when the block changes
     return moved
 
   def hand_cycles_per_visit(self, clock_hz, flops_per_s, hbm_bytes_per_s) -> float:
@@ -247,24 +281,123 @@ class GmmCase:
     blocks are new every visit (a new group), so max(MXU time of block_m rows at peak,
     weight DMA time at the HBM bandwidth), in cycles."""
     t = self.tiling()
-    item = jnp.dtype(self.dtype).itemsize
     flops = 2 * t.block_m * self.k * self.n_out * self.num_rhs
-    weight_bytes = self.k * self.n_out * self.num_rhs * item
+    weight_bytes = self.k * self.n_out * self.num_rhs * self.rhs_dtype.itemsize
     return max(flops / flops_per_s, weight_bytes / hbm_bytes_per_s) * clock_hz
 
 
 def xla_function(case: GmmCase):
   """The XLA baseline: jax.lax.ragged_dot with weights in its native (G, k, n) layout
-  (no transpose charged to it), and the gated epilogue as a fused elementwise op."""
+  (no transpose charged to it), and the gated epilogue as a fused elementwise op.
+  Quantized weights are dequantised first (w * scale in bf16: lax.ragged_dot takes one
+  dtype), an XLA op of its own or fused, as XLA decides."""
 
-  def fn(lhs, w, group_sizes):
+  def fn(lhs, w, *rest):
+    *scale, group_sizes = rest
+    if scale:
+      w = (w.astype(jnp.float32) * scale[0][:, None, :]).astype(lhs.dtype)
     z = jax.lax.ragged_dot(lhs, w, group_sizes, preferred_element_type=jnp.float32)
     if case.gated:
       z = jax.nn.silu(z[:, :case.n_out]) * z[:, case.n_out:]
     return z.astype(lhs.dtype)
 
   dt = jnp.dtype(case.dtype)
+  n_full = case.num_rhs * case.n_out
+  scale = [jax.ShapeDtypeStruct((case.groups, n_full), jnp.float32)] if case.quantized else []
   specs = [jax.ShapeDtypeStruct((case.m, case.k), dt),
-           jax.ShapeDtypeStruct((case.groups, case.k, case.num_rhs * case.n_out), dt),
+           jax.ShapeDtypeStruct((case.groups, case.k, n_full), case.rhs_dtype), *scale,
            jax.ShapeDtypeStruct((case.groups,), jnp.int32)]
   return fn, specs
+
+
+# How each model's experts call the kernel (scripts/ragged_dot_cases.py's MODELS): gpt-oss
+# stores (G, k, n) weights with interleaved gate/up columns; the others (G, n, k).
+INTERLEAVED_GATE_UP = ("gpt-oss-20b",)
+
+
+def gmm_case(case, chip: str) -> GmmCase:
+  """The kernel call the op makes for a headline.GroupedMatmul `case`: the gated kernel
+  for concatenated gate/up halves, and for gpt-oss's interleaved gate/up the route
+  `ragged_dot.gate_up_route` picks ("xla_gate" at these sizes: the plain kernel to a
+  float32 (m, 2I), gated by XLA)."""
+  interleaved = case.model in INTERLEAVED_GATE_UP
+  common = dict(chip=chip, dtype=case.dtype, weight_dtype=case.weight_dtype,
+                active_groups=case.active_groups if case.active_groups < case.groups else None,
+                transpose_rhs=not interleaved)
+  if case.gated:
+    weight_bytes = case.groups * case.k * case.n_weight * jnp.dtype(case.weight_dtype).itemsize
+    route = R.gate_up_route(case.m, case.n_weight, "interleaved" if interleaved else
+                            "concatenated", weight_bytes)
+    if route == "xla_gate":
+      return GmmCase(case.m, case.groups, case.k, case.n_weight, False, out_dtype="float32",
+                     **common)
+    assert route == "blocks", route
+  return GmmCase(case.m, case.groups, case.k, case.n_out, case.gated, **common)
+
+
+# ------------------------------------------------------------------ quantized decode table
+
+SPEEDUP_GOAL = 1.8        # issue 28: >= 1.8x faster than the best bf16 anchor's prediction
+QUANT_EFFICIENCY_GOAL = 0.85
+
+
+def bf16_case_name(name: str) -> str:
+  """The bf16 row a quantized row is compared with: same model, part and m."""
+  return name.replace(" int8 ", " bf16 ").replace(" fp8 ", " bf16 ")
+
+
+def quantized_decode_table(rows: list[dict], case_names) -> str:
+  """Markdown: each quantized row of `case_names` (headline.QUANTIZED_DECODE's int8 / fp8
+  names) per chip against issue 28's goals, from estimate.py's rows (estimates.jsonl)."""
+
+  def predicted(case, chip, source=None, implementation=None):
+    return [r for r in rows if r["case"] == case and r["chip"] == chip and "predicted_us" in r
+            and (source is None or r["source"] == source)
+            and (implementation is None or implementation in r["implementation"])]
+
+  us = lambda x: "" if x is None else f"{x:,.1f}"
+  out = [f"| case | chip | ours µs | roofline µs | efficiency (>= {QUANT_EFFICIENCY_GOAL}) "
+         f"| best bf16 anchor µs | ours vs it (>= {SPEEDUP_GOAL}x) | tokamax quantized µs "
+         "| XLA µs | ours bf16 µs | goals met |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+  chips = sorted({r["chip"] for r in rows})
+  for case in case_names:
+    for chip in chips:
+      ours = predicted(case, chip, "ours")
+      if not ours:
+        failed = [r for r in rows if r["case"] == case and r["chip"] == chip
+                  and r["source"] == "ours"]
+        why = (failed[0].get("error") or "")[:120] if failed else "no row yet"
+        out.append(f"| {case} | {chip} | not rated: {why} |||||||||")
+        continue
+      o = ours[0]
+      bf16 = bf16_case_name(case)
+      anchors = predicted(bf16, chip, "anchor")
+      best = min(anchors, key=lambda r: r["predicted_us"], default=None)
+      speedup = best["predicted_us"] / o["predicted_us"] if best else None
+      tokamax = predicted(case, chip, "anchor", "tokamax")
+      xla = predicted(case, chip, "xla")
+      ours_bf16 = predicted(bf16, chip, "ours")
+      met = [f"efficiency {'met' if o['efficiency'] >= QUANT_EFFICIENCY_GOAL else 'missed'}",
+             "speed-up " + ("no bf16 anchor rated" if speedup is None else
+                            "met" if speedup >= SPEEDUP_GOAL else "missed")]
+      best_cell = "" if best is None else \
+          f"{us(best['predicted_us'])} ({best['implementation'].split(' (')[0]})"
+      out.append(
+          f"| {case} | {chip} | {us(o['predicted_us'])} | {us(o['roofline_us'])} "
+          f"| {o['efficiency']:.2f} | {best_cell} "
+          f"| {'' if speedup is None else f'{speedup:.2f}x'} "
+          f"| {us(min((r['predicted_us'] for r in tokamax), default=None))} "
+          f"| {us(xla[0]['predicted_us'] if xla else None)} "
+          f"| {us(ours_bf16[0]['predicted_us'] if ours_bf16 else None)} | {', '.join(met)} |")
+  return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":   # python benchmarks/ragged_estimate.py [estimates.jsonl]
+  import json
+  import headline
+  path = Path(sys.argv[1]) if len(sys.argv) > 1 else \
+      Path(__file__).resolve().parent / "results" / "estimates.jsonl"
+  rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  print(quantized_decode_table(rows, [c.name for c in headline.QUANTIZED_DECODE
+                                      if c.quantized]), end="")

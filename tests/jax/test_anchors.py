@@ -280,6 +280,37 @@ def test_tokamax_gmm_heuristic_tiling_and_bytes_match_megablox():
     assert big.tiling == anchors.GmmAnchor(m, "down", "512x1024x1024").tiling
 
 
+def test_quantized_decode_anchors():
+  """Issue 28: a tokamax quantized anchor beside every int8 / fp8 row, megablox beside every
+  added bf16 row; 1-byte weight blocks and the (8, tn) float32 scale block in the replay."""
+  listed = anchors.quantized_decode_anchors()
+  assert {a.case.name for a in listed} == {c.name for c in headline.QUANTIZED_DECODE}
+  assert len({a.key for a in anchors._specs_list()}) == len(anchors._specs_list())
+  for a in listed:
+    assert isinstance(a, anchors.TokamaxGmmAnchor) == a.case.quantized
+  q = anchors.TokamaxGmmAnchor(64, "down", "512x1024x1024", groups=8, model="Mixtral-8x7B",
+                               weight_dtype="int8")
+  tm, tk, tn = q.tiling
+  assert (tm, tk, tn) == (64, 1024, 1024) and q.closed_form.num_tiles == 8
+  # one tile of 64 rows, 8 experts of 8 rows: per n tile each expert's weights once, lhs
+  # per (n tile, k tile) change, out once per n tile (consecutive visits share the tile)
+  n_tiles, k_tiles = 4096 // tn, 14336 // tk
+  want = n_tiles * (8 * k_tiles * tk * tn + 8 * 8 * tn * 4 + 8 * k_tiles * tm * tk * 2
+                    + tm * tn * 2)
+  # lhs: the m tile never changes but k does, so it is refetched every step
+  assert q.hbm_bytes() == want
+  b = anchors.GmmAnchor(64, "down", "512x1024x1024", groups=8, model="Mixtral-8x7B")
+  assert b.case.name == "ragged_dot Mixtral-8x7B down bf16 m=64"
+  assert q.case.name == "ragged_dot Mixtral-8x7B down int8 m=64"
+
+
+def test_gmm_closed_form_with_empty_experts_equals_make_group_metadata():
+  """Qwen3-30B-A3B at m=64: 64 of 128 experts with one row each."""
+  a = anchors.GmmAnchor(64, "down", "512x1024x1024")
+  assert a.closed_form == anchors.GmmClosedForm(64, 64, 64, 128)
+  a.closed_form.check()
+
+
 @pytest.mark.parametrize("key,trunc", [("tokamax-gmm:512:down:heuristic:128", [2]),
                                        ("tokamax-attn:4096:128", [2, 4]),
                                        ("tokamax-attn:4608:128:joint:Flux.1 1024x1024", [2, 2])])

@@ -71,6 +71,34 @@ def test_grouped_matmul_and_paged_roofline_bytes():
   assert p.min_bytes() == 2 * 64 * 8 * 2048 * 128 * 2 + 2 * 64 * 32 * 128 * 2
 
 
+def test_quantized_decode_rows_and_their_bytes():
+  """Issue 28: every int8 / fp8 row of QUANTIZED_DECODE has its bf16 row (same model, part,
+  m) among ALL_CASES; 1-byte weights and a float32 scale per output channel of each
+  expert with rows; HEADLINE's grouped-matmul names are unchanged."""
+  assert [c.name for c in headline.HEADLINE if c.kernel == "ragged-dot-tpu"] == [
+      f"ragged_dot Qwen3-30B-A3B {p} bf16 m={m}" for m in (512, 8192)
+      for p in ("gate_up+silu", "down")]
+  names = [c.name for c in headline.ALL_CASES]
+  assert len(set(names)) == len(names)
+  quantized = [c for c in headline.QUANTIZED_DECODE if c.weight_dtype != "bfloat16"]
+  assert len(quantized) == 3 * 2 * 2 * 2   # models x m x parts x (int8, fp8)
+  for c in quantized:
+    bf16 = headline.by_name(c.name.replace(" int8 ", " bf16 ").replace(" fp8 ", " bf16 "))
+    assert (bf16.model, bf16.part, bf16.m, bf16.weight_dtype) == (c.model, c.part, c.m,
+                                                                  "bfloat16")
+  # Qwen3-30B-A3B down at m=64: 64 of 128 experts get a row each, weights [768, 2048].
+  q = headline.by_name("ragged_dot Qwen3-30B-A3B down int8 m=64")
+  assert q.min_bytes() == 64 * 768 * 2 + 64 * 768 * 2048 + 64 * 2048 * 4 + 64 * 2048 * 2
+  b = headline.by_name("ragged_dot Qwen3-30B-A3B down bf16 m=64")
+  assert b.min_bytes() == 64 * 768 * 2 + 64 * 768 * 2048 * 2 + 64 * 2048 * 2
+  # Mixtral-8x7B gate_up at m=512: all 8 experts, weights [4096, 2 * 14336], output 14336.
+  x = headline.by_name("ragged_dot Mixtral-8x7B gate_up+silu fp8 m=512")
+  assert x.flops() == 2 * 512 * 4096 * 28672
+  assert x.min_bytes() == 512 * 4096 * 2 + 8 * (4096 * 28672 + 28672 * 4) + 512 * 14336 * 2
+  g = headline.by_name("ragged_dot gpt-oss-20b down int8 m=64")
+  assert (g.groups, g.k, g.n_weight, g.active_groups) == (32, 2880, 2880, 32)
+
+
 @pytest.mark.parametrize("seq,bq,bk", [(4096, 1024, 512), (4096, 512, 1024), (1000, 256, 128),
                                        (32768, 1024, 512), (640, 128, 256)])
 def test_visited_and_interior_tiles_by_brute_force(seq, bq, bk):

@@ -118,3 +118,98 @@ def test_tuner_traffic_model_equals_the_replay(num_rhs, m, k, n, groups):
     assert unaligned.num_visits == T.unaligned_visits(key, blocks[0]), blocks
     with mock.patch.object(type(gmm), "table", lambda self: unaligned):
       assert T.modelled_bytes(key, blocks, unaligned.num_visits) == gmm.hbm_bytes(), blocks
+
+
+# ------------------------------------------------------------------ quantized decode (issue 28)
+
+
+@pytest.mark.parametrize("m,groups,active", [(64, 128, 64), (8, 16, 8)])
+def test_decode_table_with_empty_experts_is_group_metadata(m, groups, active):
+  """Fewer rows than experts: the first `active` experts get one row each, the rest none;
+  the closed form equals group_metadata over all `groups` (empty ones are not visited)."""
+  case = E.GmmCase(m, groups, 256, 512, False, "v6e", weight_dtype="int8", active_groups=active)
+  table = case.table()
+  assert (table.groups, table.total_groups, table.num_visits) == (active, groups, active)
+  table.check(num_k_tiles=1)
+
+
+@pytest.mark.parametrize("weight_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("gated,transpose_rhs", [(True, True), (False, True), (False, False)])
+def test_visible_table_kernel_computes_the_quantized_grouped_matmul(weight_dtype, gated,
+                                                                    transpose_rhs):
+  """The substituted kernel with 1-byte weights and a per-channel scale, 4 of 8 experts
+  with rows, against a float64 NumPy grouped matmul from the definition."""
+  groups, active, rows, k, n = 8, 4, 2, 256, 256
+  m = active * rows
+  case = E.GmmCase(m, groups, k, n, gated, "v6e", dtype="float32", weight_dtype=weight_dtype,
+                   active_groups=active, transpose_rhs=transpose_rhs)
+  table = case.table()
+  rng = np.random.default_rng(7)
+  n_full = case.num_rhs * n
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  if weight_dtype == "int8":
+    q = rng.integers(-127, 128, (groups, n_full, k)).astype(np.int8)
+  else:
+    q = np.asarray(jnp.asarray(rng.standard_normal((groups, n_full, k)) * 8,
+                               jnp.float8_e4m3fn))
+  scale = (rng.random((groups, n_full)) / 256 + 1e-3).astype(np.float32)
+  w = q if transpose_rhs else np.swapaxes(q, 1, 2)
+  sizes = jnp.zeros((groups,), jnp.int32).at[:active].set(rows)
+  t = case.tiling()
+  visit_table, count = R.group_metadata(sizes, 0, num_local_groups=groups, m=m,
+                                        block_m=t.block_m, num_k_tiles=-(-k // t.block_k),
+                                        zero_visits=True, interpret=True)
+  assert int(count) == table.num_visits == active
+  got = jax.jit(case.function(table.num_visits, interpret=True))(
+      jnp.asarray(x), jnp.asarray(w), jnp.asarray(scale), visit_table)
+  # float64 reference: z[r] = (x[r] @ q[g].T) * scale[g], gated: silu(gate) * up
+  q64 = np.asarray(q).astype(np.float64)
+  z = np.zeros((m, n_full))
+  for g in range(active):
+    r = slice(g * rows, (g + 1) * rows)
+    z[r] = (x[r].astype(np.float64) @ q64[g].T) * scale[g]
+  want = z[:, :n] / (1 + np.exp(-z[:, :n])) * z[:, n:] if gated else z
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-5)
+
+
+def test_quantized_hbm_replay_counts_one_byte_weights_and_scales():
+  """Whole blocks, 2 of 4 experts with rows: each visited expert's 1-byte weight and
+  float32 scale row once, lhs and the bf16 out once; empty experts read nothing."""
+  case = E.GmmCase(2, 4, 256, 512, False, "v6e", weight_dtype="int8", active_groups=2)
+  t = case.tiling()
+  assert (t.block_k, t.block_n) == (256, 512)
+  want = 2 * 256 * 2 + 2 * (256 * 512 * 1 + 512 * 4) + 2 * 512 * 2
+  assert case.hbm_bytes() == case.min_bytes() == want
+
+
+def test_gpt_oss_gate_up_is_rated_as_the_route_the_op_takes():
+  """gpt-oss's interleaved gate/up at decode: the plain kernel to a float32 (m, 2I)
+  (ragged_dot.gate_up_route "xla_gate"), weights (G, k, n)."""
+  sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+  import headline
+  case = headline.GroupedMatmul.of("gpt-oss-20b", 64, "gate_up+gpt_oss", "int8")
+  g = E.gmm_case(case, "v6e")
+  assert (g.gated, g.n_out, g.out_dtype, g.transpose_rhs) == (False, 5760, "float32", False)
+  assert (g.groups, g.active_groups, g.k) == (32, None, 2880)
+  qwen = E.gmm_case(headline.GroupedMatmul.of("Qwen3-30B-A3B", 64, "down", "float8_e4m3fn"),
+                    "v5e")
+  assert (qwen.gated, qwen.active_groups, qwen.transpose_rhs, qwen.quantized) == \
+      (False, 64, True, True)
+
+
+def test_quantized_decode_table_compares_with_the_best_bf16_anchor():
+  """Goals of issue 28 from rows: speed-up over the fastest bf16 anchor of the same model /
+  part / m (not over XLA, not over a tokamax quantized row), and the efficiency goal."""
+  q, b = "ragged_dot M down int8 m=64", "ragged_dot M down bf16 m=64"
+  row = lambda case, source, impl, us, eff=0.5: dict(
+      case=case, chip="v6e", source=source, implementation=impl, predicted_us=us,
+      roofline_us=us * eff, efficiency=eff)
+  rows = [row(q, "ours", "pallas", 100.0, 0.9), row(q, "xla", "xla (lax.ragged_dot)", 50.0),
+          row(q, "anchor", "tokamax ragged_dot (x)", 400.0),
+          row(b, "ours", "pallas", 190.0), row(b, "anchor", "jax megablox gmm (a)", 170.0),
+          row(b, "anchor", "tokamax ragged_dot (b)", 250.0)]
+  table = E.quantized_decode_table(rows, [q])
+  line = next(line for line in table.splitlines() if line.startswith(f"| {q} |"))
+  cells = [c.strip() for c in line.strip("|").split("|")]
+  assert cells[2:] == ["100.0", "90.0", "0.90", "170.0 (jax megablox gmm)", "1.70x", "400.0",
+                       "50.0", "190.0", "efficiency met, speed-up missed"]
