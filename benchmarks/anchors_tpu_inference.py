@@ -213,8 +213,10 @@ class GmmSpec(_TpuInference):
   @property
   def implementation(self) -> str:
     scale = ", per-channel rhs_scale" if self.quantized else ""
-    return (f"tpu-inference megablox gmm (tpu-inference {VERSION}, {STACK}, its tuned "
-            f"tiling{scale})")
+    # "its tiling": the kernel's own choice (its tuned table, else its default; the
+    # headline shapes have no table entry in 0.32.0, so the default).
+    return (f"tpu-inference megablox gmm (tpu-inference {VERSION}, {STACK}, its tiling"
+            f"{scale})")
 
   @property
   def tiling(self) -> tuple[int, int, int]:

@@ -391,7 +391,9 @@ def targets(rows: list[dict]) -> list[str]:
       versus, best_name, best_us = "no other rated", "", ""
     else:
       ratio = best["predicted_us"] / r["predicted_us"]
-      versus = f"{ratio:.2f}x " + ("(faster)" if ratio >= 1 else "(slower)")
+      # Within half a percent is level, not "faster": the estimate is not that precise.
+      versus = f"{ratio:.2f}x " + ("(level)" if abs(ratio - 1) < 0.005 else
+                                   "(faster)" if ratio > 1 else "(slower)")
       best_name, best_us = best["implementation"], _us(best["predicted_us"])
     out.append(f"| {r['case']} | {r['chip']} | {_us(r['predicted_us'])} | {eff} "
                f"| {r['target']:.2f} | {best_name} | {best_us} | {versus} |")
