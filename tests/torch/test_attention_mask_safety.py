@@ -25,7 +25,8 @@ their own configs (random weights, float32, CPU).
   eager, no error). Compiled Phi-MoE, StableLM (is_causal=False), Gemma 2 and a
   left-padded Llama equal eager attention; Doge (packed sequences, and every compiled
   call: Transformers then counts any batch with position_ids as packed) is refused by the
-  mask function before Doge's own code runs.
+  mask function before Doge's own code runs, and BigBird-Pegasus (no SDPA support
+  declared) by the attention call, compiled as in eager.
 
 float32 tolerance: rtol = atol = 1e-4 of eager, as in test_flash_attention_models.py.
 """
@@ -365,6 +366,21 @@ def test_compiled_doge_is_refused_by_the_mask_function(registered):
   ids, _ = _batch()
   torch._dynamo.reset()
   _refused_by_the_mask_function(lambda: torch.compile(model, backend="eager")(input_ids=ids))
+
+
+def test_compiled_family_without_sdpa_support_is_refused(registered):
+  """BigBird-Pegasus's decoder self-attention is not marked causal: the family check
+  refuses it compiled too (it was skipped under torch.compile, and the kernel let the
+  decoder see the future)."""
+  import coverage_attention_norm as columns
+  from transformers import BigBirdPegasusForCausalLM
+
+  model = columns.tiny_causal_lm(BigBirdPegasusForCausalLM)
+  model.set_attn_implementation(registered.DEFAULT_ATTENTION_NAME)
+  ids, _ = _batch()
+  torch._dynamo.reset()
+  with pytest.raises(NotImplementedError, match="declares neither SDPA nor FlashAttention"):
+    torch.compile(model, backend="eager")(input_ids=ids)
 
 
 def test_the_pattern_travels_in_the_mask_shape(registered):
