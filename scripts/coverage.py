@@ -2,7 +2,8 @@
 modeling modules (no hand-kept list), each family built small from its own config classes
 with random weights.
 
-    python scripts/coverage.py [--family NAME ...] [--dist DIR]
+    python scripts/coverage.py [--family NAME ...] [--column experts|attention|norm ...]
+                               [--dist DIR] [--all]
 
 prints one row per family: family | experts, each cell "matches", "refused: <reason>" or
 "not applicable", and a summary line with the Transformers version.
@@ -357,12 +358,17 @@ def load_kernels(dist: Path) -> dict:
   return {name: get_kernel(f"{org}/{name}", version=1) for name in ready}
 
 
-def table(kernels, names=None) -> list[tuple[str, dict]]:
+def table(kernels, names=None, columns=None, on_row=None) -> list[tuple[str, dict]]:
+  """(family, {column: cell}) for every family (or those in `names`), the `columns` of
+  COLUMNS (default all); on_row(name, cells) is called as each row is done."""
   rows = []
   for fam in families():
     if names and fam.name not in names:
       continue
-    rows.append((fam.name, {column: cell(kernels, fam) for column, cell in COLUMNS.items()}))
+    cells = {column: COLUMNS[column](kernels, fam) for column in columns or COLUMNS}
+    rows.append((fam.name, cells))
+    if on_row is not None:
+      on_row(fam.name, cells)
   return rows
 
 
@@ -370,7 +376,7 @@ def summary(rows) -> str:
   import transformers
 
   parts = []
-  for column in COLUMNS:
+  for column in rows[0][1] if rows else COLUMNS:
     cells = [cells[column] for _, cells in rows]
     applicable = [c for c in cells if c != "not applicable"]
     matching = sum(c.startswith("matches") for c in applicable)
@@ -381,17 +387,22 @@ def summary(rows) -> str:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--family", action="append", help="only these families (repeatable)")
+  parser.add_argument("--column", action="append", choices=list(COLUMNS),
+                      help="only these columns (repeatable; default all)")
   parser.add_argument("--dist", type=Path, default=ROOT / "dist", help="where to build")
   parser.add_argument("--all", action="store_true",
                       help="also print families where every column is not applicable")
   args = parser.parse_args(argv)
   kernels = load_kernels(args.dist.resolve())
-  rows = table(kernels, set(args.family or ()))
-  width = max([len("family")] + [len(name) for name, _ in rows])
-  print(f"{'family':<{width}} | " + " | ".join(COLUMNS))
-  for name, cells in rows:
+  columns = args.column or list(COLUMNS)
+  width = 24
+  print(f"{'family':<{width}} | " + " | ".join(columns), flush=True)
+
+  def print_row(name, cells):   # as each row is done: the whole walk takes long
     if args.all or any(c != "not applicable" for c in cells.values()):
-      print(f"{name:<{width}} | " + " | ".join(cells[c] for c in COLUMNS))
+      print(f"{name:<{width}} | " + " | ".join(cells[c] for c in columns), flush=True)
+
+  rows = table(kernels, set(args.family or ()), columns, print_row)
   print(summary(rows))
   return 0 if all(not c.startswith("refused") for _, cells in rows for c in cells.values()) else 1
 

@@ -18,9 +18,20 @@ their own configs (random weights, float32, CPU).
   before Doge's code could fail on the reduced mask (it raised IndexError inside
   modeling_doge.py).
 
+* Under torch.compile the mask's pattern still reaches the attention: it travels in the
+  mask's shape (transformers_masks.encode_mask), not in Python attributes, which
+  torch.compile dropped (the attention then fell back on its own arguments: Phi-MoE
+  attended with no window, StableLM with config.is_causal=False causally, logits 0.9 off
+  eager, no error). Compiled Phi-MoE, StableLM (is_causal=False), Gemma 2 and a
+  left-padded Llama equal eager attention; Doge (packed sequences, and every compiled
+  call: Transformers then counts any batch with position_ids as packed) is refused by the
+  mask function before Doge's own code runs, and BigBird-Pegasus (no SDPA support
+  declared) by the attention call, compiled as in eager.
+
 float32 tolerance: rtol = atol = 1e-4 of eager, as in test_flash_attention_models.py.
 """
 
+import os
 import traceback
 
 import pytest
@@ -143,28 +154,68 @@ def test_chunk_ids_of_the_mask_function(registered):
   padding = torch.tensor([[1] * 8, [0, 0] + [1] * 6], dtype=torch.bool)
   got = registered.make_attention_mask(2, 8, 8, mask_function=chunked, attention_mask=padding)
   assert got.dtype == torch.int32
-  assert got.tolist() == [[0, 0, 0, 1, 1, 1, 2, 2], [-1, -1, 0, 0, 0, 1, 1, 1]]
+  assert got[..., 0, 0, 0, 0].tolist() == [[0, 0, 0, 1, 1, 1, 2, 2], [-1, -1, 0, 0, 0, 1, 1, 1]]
   # Decode through a cache holding positions 3..8: the keys' absolute positions count.
   got = registered.make_attention_mask(2, 1, 6, q_offset=8, kv_offset=3, mask_function=chunked,
                                        attention_mask=torch.ones(2, 9, dtype=torch.bool))
-  assert got.tolist() == [[1, 1, 1, 2, 2, 2], [0, 0, 1, 1, 1, 2]]
+  assert got[..., 0, 0, 0, 0].tolist() == [[1, 1, 1, 2, 2, 2], [0, 0, 1, 1, 1, 2]]
 
 
-def test_doge_is_refused_by_the_mask_function_not_inside_doge(registered):
+def _tiny_doge(attn_implementation):
   import transformers as tr
 
   config = tr.DogeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, keep_window_size=8)
   torch.manual_seed(0)
-  model = tr.AutoModelForCausalLM.from_config(
-      config, attn_implementation=registered.DEFAULT_ATTENTION_NAME).eval()
+  return tr.AutoModelForCausalLM.from_config(
+      config, attn_implementation=attn_implementation).eval()
+
+
+def _refused_by_the_mask_function(run):
+  """run() raises the kernel's "materialized" refusal from make_attention_mask, before the
+  model's own code could fail on the reduced mask."""
+  with pytest.raises(NotImplementedError, match="materialized") as err:
+    run()
+  frame = traceback.extract_tb(err.value.__traceback__)[-1]
+  assert frame.name == "make_attention_mask" and "modeling_" not in frame.filename
+
+
+def test_doge_is_refused_by_the_mask_function_not_inside_doge(registered):
+  model = _tiny_doge(registered.DEFAULT_ATTENTION_NAME)
   ids, mask = _batch()
-  for kwargs in ({}, {"attention_mask": mask}):
-    with pytest.raises(NotImplementedError, match="materialized") as err:
-      model(input_ids=ids, **kwargs)
-    frame = traceback.extract_tb(err.value.__traceback__)[-1]
-    assert frame.name == "make_attention_mask" and "modeling_doge" not in frame.filename
+  # Packed sequences: position_ids restart inside a row. Transformers turns
+  # allow_is_causal_skip off itself then, so only Doge's source tells that Doge asked for
+  # its mask materialized too; before, this crashed with an IndexError in modeling_doge.py.
+  packed = torch.cat([torch.arange(7), torch.arange(SEQ - 7)])[None].expand(2, -1)
+  # (use_cache=False: Transformers looks for packing only without a cache.)
+  for kwargs in ({}, {"attention_mask": mask}, {"position_ids": packed, "use_cache": False}):
+    _refused_by_the_mask_function(lambda: model(input_ids=ids, **kwargs))
+
+
+def test_doge_packed_crashed_inside_doge_with_a_plain_reduced_mask(registered):
+  """The refusal above is what stands between Doge and an IndexError in its own code:
+  given the packed-sequence ids the mask function returns for other models, Doge fails in
+  prepare_dynamic_mask (a RuntimeError on the 6-D encoded ids; an IndexError on the 2-D
+  ones before them). Eager attention computes it, so the case is a valid one."""
+  from transformers import AttentionInterface, AttentionMaskInterface
+
+  model = _tiny_doge("eager")
+  ids, _ = _batch()
+  packed = torch.cat([torch.arange(7), torch.arange(SEQ - 7)])[None].expand(2, -1)
+  with torch.no_grad():
+    assert torch.isfinite(model(input_ids=ids, position_ids=packed, use_cache=False).logits).all()
+
+  def reduced_mask(*args, **kwargs):
+    return registered.make_attention_mask(*args, **dict(kwargs, config=None))
+
+  setattr(reduced_mask, "TPU_KERNELS_MASK_FUNCTION", True)
+  AttentionInterface.register("tpu_attention_no_config", registered.attention_forward)
+  AttentionMaskInterface.register("tpu_attention_no_config", reduced_mask)
+  model.set_attn_implementation("tpu_attention_no_config")
+  with pytest.raises((RuntimeError, IndexError)) as err:
+    model(input_ids=ids, position_ids=packed, use_cache=False)
+  assert "modeling_doge" in traceback.extract_tb(err.value.__traceback__)[-1].filename
 
 
 def test_serving_attention_without_its_mask_function_raises(paged):
@@ -181,8 +232,9 @@ def test_serving_attention_without_its_mask_function_raises(paged):
   # the rest.
   assert paged.make_attention_mask(1, 8, 8, mask_function=mu.causal_mask_function) is None
   window = mu.sliding_window_causal_mask_function(4)
-  tagged = paged.make_attention_mask(1, 8, 8, mask_function=window)
-  assert tagged.shape == (1, 0) and getattr(tagged, "tpu_kernels_mask_window") == 4
+  encoded = paged.make_attention_mask(1, 8, 8, mask_function=window)
+  # Empty base; code 1 + causal + 2 * no padding + 4 * window 4.
+  assert encoded.shape == (1, 0, 3, 3, 1 + 1 + 0 + 16, 3)
   for pattern in (mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)),
                   mu.bidirectional_mask_function,
                   mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: q >= 0)):
@@ -207,13 +259,22 @@ def test_sliding_window_from_the_mask_when_the_layer_passes_none(registered):
   _equals_eager_with_and_without_padding(model, ids, mask, registered)
 
 
-def test_bidirectional_from_the_mask_when_the_module_says_causal(registered):
-  """A decoder-only model with config.is_causal = False gets bidirectional masks from
-  Transformers while its attention modules stay is_causal = True: the kernel follows the
-  mask (as eager does), with and without padding. It attended causally before (logits
-  1.2 off eager, no error)."""
-  model = ti.tiny_attention_model("llama", torch.float32, num_hidden_layers=1)
+def _tiny_bidirectional_stablelm():
+  """StableLM with config.is_causal = False: Transformers builds bidirectional masks, its
+  attention modules stay is_causal = True and (unlike Llama's) get no is_causal argument."""
+  import coverage_attention_norm as columns
+  from transformers import StableLmForCausalLM
+
+  model = columns.tiny_causal_lm(StableLmForCausalLM)
   model.config.is_causal = False
+  return model
+
+
+def test_bidirectional_from_the_mask_when_the_module_says_causal(registered):
+  """A decoder-only model with config.is_causal = False: the kernel follows the mask (as
+  eager does), with and without padding. It attended causally before (logits 1.2 off
+  eager, no error)."""
+  model = _tiny_bidirectional_stablelm()
   ids, mask = _batch()
   _equals_eager_with_and_without_padding(model, ids, mask, registered)
 
@@ -228,3 +289,122 @@ def _equals_eager_with_and_without_padding(model, ids, mask, registered):
       model.set_attn_implementation(registered.DEFAULT_ATTENTION_NAME)
       got = model(input_ids=ids, **kwargs).logits
     ref.assert_close(got[valid], want[valid], TOL, what=f"logits {list(kwargs)}")
+
+
+# ---------------------------------------------------------------------------- torch.compile
+# backend "eager" (Dynamo's trace, run without a compiler) in the default profile: what
+# dropped the mask's attributes was Dynamo's tracing. HYPOTHESIS_PROFILE=thorough adds
+# "aot_eager" (AOTAutograd's functionalized graph) and Inductor.
+BACKENDS = ["eager"] + (["aot_eager", "inductor"]
+                        if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else [])
+
+
+def _tiny_phimoe():
+  import coverage_attention_norm as columns
+  from transformers.models.phimoe.modeling_phimoe import PhimoeForCausalLM
+
+  model = columns.tiny_causal_lm(PhimoeForCausalLM)
+  assert model.config.sliding_window == 8        # < the 12 tokens of the batch
+  return model
+
+
+def _without_window(model):
+  model.config.sliding_window = None
+
+
+def _causal(model):
+  model.config.is_causal = True
+
+
+# name -> (tiny model, padded?, what the old compiled path computed instead: a config
+# change under which eager attention gives that result, or None where it was right).
+COMPILED = {
+    "phimoe": (_tiny_phimoe, False, _without_window),
+    "phimoe, left padding": (_tiny_phimoe, True, _without_window),
+    "stablelm is_causal=False": (_tiny_bidirectional_stablelm, False, _causal),
+    "stablelm is_causal=False, left padding": (_tiny_bidirectional_stablelm, True, _causal),
+    "gemma2 (sliding + full layers), left padding":
+        (lambda: ti.tiny_attention_model("gemma2", torch.float32), True, None),
+    "llama, left padding": (lambda: ti.tiny_attention_model("llama", torch.float32), True,
+                            None),
+}
+
+
+# The default profile runs one case per path (no padding, padding, a plain causal model);
+# thorough runs them all.
+CI_COMPILED = ("phimoe", "stablelm is_causal=False, left padding", "llama, left padding")
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", [c for c in COMPILED if THOROUGH or c in CI_COMPILED])
+def test_compiled_model_equals_eager_attention(registered, case, backend):
+  build, padded, old_fallback = COMPILED[case]
+  model = build()
+  ids, mask = _batch(seq=12)
+  kwargs = {"attention_mask": mask} if padded else {}
+  valid = mask.bool() if padded else torch.ones_like(mask, dtype=torch.bool)
+  torch._dynamo.reset()
+  with torch.no_grad():
+    want = model(input_ids=ids, **kwargs).logits          # eager attention
+    model.set_attn_implementation(registered.DEFAULT_ATTENTION_NAME)
+    got = torch.compile(model, backend=backend)(input_ids=ids, **kwargs).logits
+    ref.assert_close(got[valid], want[valid], TOL, what=f"compiled ({backend}) logits")
+    if old_fallback is not None:
+      # The case tells: what the compiled call computed before (the layer's own window /
+      # causality) is far from eager.
+      old_fallback(model)
+      model.set_attn_implementation("eager")
+      old = model(input_ids=ids, **kwargs).logits
+      assert (old - want)[valid].abs().max() > 0.1 * want[valid].abs().max()
+
+
+def test_compiled_doge_is_refused_by_the_mask_function(registered):
+  """Compiled, every batch with position_ids (Doge makes them) counts as packed: before,
+  this reached Doge's own code and failed there."""
+  model = _tiny_doge(registered.DEFAULT_ATTENTION_NAME)
+  ids, _ = _batch()
+  torch._dynamo.reset()
+  _refused_by_the_mask_function(lambda: torch.compile(model, backend="eager")(input_ids=ids))
+
+
+def test_compiled_family_without_sdpa_support_is_refused(registered):
+  """BigBird-Pegasus's decoder self-attention is not marked causal: the family check
+  refuses it compiled too (it was skipped under torch.compile, and the kernel let the
+  decoder see the future)."""
+  import coverage_attention_norm as columns
+  from transformers import BigBirdPegasusForCausalLM
+
+  model = columns.tiny_causal_lm(BigBirdPegasusForCausalLM)
+  model.set_attn_implementation(registered.DEFAULT_ATTENTION_NAME)
+  ids, _ = _batch()
+  torch._dynamo.reset()
+  with pytest.raises(NotImplementedError, match="declares neither SDPA nor FlashAttention"):
+    torch.compile(model, backend="eager")(input_ids=ids)
+
+
+def test_the_pattern_travels_in_the_mask_shape(registered):
+  """[B, S, 3, 3, code, 3], code = 1 + causal + 2 * has_padding + 4 * window: a view."""
+  from transformers import masking_utils as mu
+
+  padding = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+  window = mu.sliding_window_causal_mask_function(3)
+  got = registered.make_attention_mask(2, 6, 6, mask_function=window, attention_mask=padding)
+  assert got.shape == (2, 6, 3, 3, 1 + 1 + 2 + 12, 3) and got.stride()[2:] == (0,) * 4
+  assert torch.equal(got[..., 0, 0, 0, 0], padding)
+  got = registered.make_attention_mask(2, 6, 6, mask_function=mu.bidirectional_mask_function)
+  assert got.shape == (2, 6, 3, 3, 1, 3) and bool(got.all())    # carries the pattern only
+  # A mask the model sliced as a 4-D one on its way (keeping fewer than 3 queries or keys)
+  # is refused, not read as another pattern; a tensor of another rank is no mask of the
+  # kernel's.
+  model = ti.tiny_attention_model("llama", torch.float32, num_hidden_layers=1)
+  model.set_attn_implementation(registered.DEFAULT_ATTENTION_NAME)
+  module = model.model.layers[0].self_attn
+  q, k = torch.randn(2, 4, 6, 16), torch.randn(2, 2, 6, 16)
+  encoded = registered.make_attention_mask(2, 6, 6, mask_function=window,
+                                           attention_mask=padding)
+  for sliced in (encoded[:, :, :2], encoded[:, :, :, :1], encoded[..., :2]):
+    with pytest.raises(ValueError, match="changed it on its way"):
+      registered.attention_forward(module, q, k, k, sliced)
+  with pytest.raises(NotImplementedError, match="takes no arbitrary mask"):
+    registered.attention_forward(module, q, k, k, padding)

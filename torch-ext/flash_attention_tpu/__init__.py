@@ -26,6 +26,7 @@ interpret mode (slow; for development and tests). jax must be installed.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -206,11 +207,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 # reproduce:
 #   * causal or sliding-window causal patterns (or bidirectional ones, for encoders):
 #     the kernel applies them itself (causal, sliding_window). Every tensor the mask
-#     function returns carries its pattern (transformers_masks.tag: window, causal), and
-#     the attention call takes them from it rather than from its own sliding_window /
-#     is_causal arguments, which some models leave out (Phi-MoE's window) or contradict
-#     (config.is_causal=False under causal modules); a plain causal pattern without
-#     padding returns None and the call uses the module's is_causal, as SDPA does;
+#     function returns carries its pattern in its shape (transformers_masks.encode_mask:
+#     window, causal, whether it holds padding; the same in eager and under
+#     torch.compile), and the attention call takes them from it rather than from its own
+#     sliding_window / is_causal arguments, which some models leave out (Phi-MoE's
+#     window) or contradict (config.is_causal=False under causal modules); a plain causal
+#     pattern without padding returns None and the call uses is_causal or the module's,
+#     as SDPA does;
 #   * padding: a bool [B, Skv] mask of the valid keys (sliding and bidirectional patterns
 #     without a 2-D mask: all valid, tagged as no padding); the attention call turns real
 #     padding into segment ids (keys: 1 valid / 0 padding, queries: 1);
@@ -256,9 +259,11 @@ def make_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset
                         attention_mask: torch.Tensor | None = None, **kwargs):
   """Transformers mask function (AttentionMaskInterface) for `attention_forward`.
 
-  Returns None (a causal pattern, no padding), a bool [B, kv_length] mask of the valid
-  keys, int32 [B, S] packed-sequence ids, or int32 [B, kv_length] chunk ids (chunked
-  attention; padding -1), each tagged with its pattern (transformers_masks.tag); raises
+  Returns None (a causal pattern, no padding), or, as the view
+  transformers_masks.encode_mask makes ([B, S, 3, 3, code, 3]: the pattern in the
+  shape), one of: a bool [B, kv_length] mask of the valid keys (all True
+  when it only carries a sliding or bidirectional pattern), int32 [B, S] packed-sequence
+  ids, or int32 [B, kv_length] chunk ids (chunked attention; padding -1). Raises
   NotImplementedError for patterns the kernel cannot compute.
   """
   from transformers import masking_utils
@@ -276,13 +281,11 @@ def make_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset
         f"keys (no cache, or a DynamicCache); got query offset {q_offset}, key offset "
         f"{kv_offset}. Static caches (cache_implementation='static') leave unfilled slots "
         f"that need a mask: use a DynamicCache")
-  # Transformers turns allow_is_causal_skip off itself for packed sequences, overlays and
-  # compiled decoding (all handled above); a causal pattern without those means the model
-  # passed it: it adds to the [B, 1, Sq, Skv] mask or reads it (Doge's dynamic mask,
-  # Falcon's ALiBi, sparse-attention indexers, T5Gemma 2's merged attention), and would
-  # fail inside its own code on the reduced mask this function returns.
-  if (pattern.kind in ("causal", "sliding") and packed is None
-      and kwargs.get("allow_is_causal_skip", True) is False):
+  # A model that asks for its mask materialized adds to the [B, 1, Sq, Skv] mask or reads
+  # it (Doge's dynamic mask, Falcon's ALiBi, sparse-attention indexers, T5Gemma 2's merged
+  # attention), and would fail inside its own code on the reduced mask this function
+  # returns, packed sequences included (transformers_masks.asks_for_materialized_mask).
+  if transformers_masks.asks_for_materialized_mask(pattern, kwargs):
     raise NotImplementedError(
         "flash-attention-tpu: the model asks for its causal mask materialized as a [B, 1, "
         "Sq, Skv] tensor (allow_is_causal_skip=False) to add to it or read it itself (for "
@@ -290,7 +293,7 @@ def make_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset
         "kernel takes no arbitrary mask. Use attn_implementation='eager' or 'sdpa' for this "
         "model")
   if packed is not None:
-    return transformers_masks.tag(packed.to(torch.int32), pattern, padding=True)
+    return transformers_masks.encode_mask(packed.to(torch.int32), pattern, padding=True)
   if attention_mask is not None:
     if attention_mask.dim() != 2:
       raise NotImplementedError(f"flash-attention-tpu: expected a 2-D padding mask, got shape "
@@ -310,23 +313,40 @@ def make_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset
     if attention_mask is not None:
       chunk_ids = chunk_ids.masked_fill(~attention_mask, -1)
     chunk_ids = chunk_ids.expand(batch_size, kv_length).contiguous()
-    return transformers_masks.tag(chunk_ids, pattern, padding=True)
+    return transformers_masks.encode_mask(chunk_ids, pattern, padding=True)
   if attention_mask is not None:
-    return transformers_masks.tag(attention_mask, pattern, padding=True)
-  if pattern.kind in ("sliding", "bidirectional") and not torch.compiler.is_compiling():
+    return transformers_masks.encode_mask(attention_mask, pattern, padding=True)
+  if pattern.kind in ("sliding", "bidirectional"):
     # Never None: the tensor carries the window and the causality to the attention call
     # (some models pass no sliding_window (Phi-MoE), or ask for bidirectional attention in
-    # layers whose module says causal (config.is_causal=False)). Tagged as no padding: no
-    # segment ids.
+    # layers whose module says causal (config.is_causal=False)). Encoded as no padding:
+    # no segment ids.
     valid = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
-    return transformers_masks.tag(valid, pattern, padding=False)
+    return transformers_masks.encode_mask(valid, pattern, padding=False)
   return None
 
 
 setattr(make_attention_mask, transformers_masks.MARK, True)   # see check_mask_function
 
-# Python module of an attention class -> whether its family declares SDPA or FlashAttention.
-_REDUCED_MASK_FAMILIES: dict = {}
+
+@torch.compiler.assume_constant_result      # the same under torch.compile: a trace constant
+def _family_takes_reduced_masks(module_name: str) -> bool:
+  """Whether a PreTrainedModel of Python module `module_name` sets _supports_sdpa or
+  _supports_flash_attn (cached per module)."""
+  return _family_takes_reduced_masks_cached(module_name)
+
+
+@functools.cache
+def _family_takes_reduced_masks_cached(module_name: str) -> bool:
+  import sys
+
+  from transformers import PreTrainedModel
+
+  models = [v for v in vars(sys.modules[module_name]).values()
+            if isinstance(v, type) and issubclass(v, PreTrainedModel)
+            and v.__module__ == module_name]
+  return any(getattr(m, "_supports_sdpa", False) or getattr(m, "_supports_flash_attn", False)
+             for m in models)
 
 
 def _check_family_takes_reduced_masks(op: str, module: torch.nn.Module) -> None:
@@ -337,20 +357,7 @@ def _check_family_takes_reduced_masks(op: str, module: torch.nn.Module) -> None:
   families rely on the materialized mask instead (BigBird-Pegasus's decoder self-attention
   is not marked causal: the kernel would let it see the future)."""
   name = type(module).__module__
-  if not name.startswith("transformers.") or torch.compiler.is_compiling():
-    return
-  supported = _REDUCED_MASK_FAMILIES.get(name)
-  if supported is None:
-    import sys
-
-    from transformers import PreTrainedModel
-
-    models = [v for v in vars(sys.modules[name]).values()
-              if isinstance(v, type) and issubclass(v, PreTrainedModel) and v.__module__ == name]
-    supported = _REDUCED_MASK_FAMILIES[name] = any(
-        getattr(m, "_supports_sdpa", False) or getattr(m, "_supports_flash_attn", False)
-        for m in models)
-  if not supported:
+  if name.startswith("transformers.") and not _family_takes_reduced_masks(name):
     raise NotImplementedError(
         f"{op}: {type(module).__name__}'s family ({name}) declares neither SDPA nor "
         f"FlashAttention support: its attention layers rely on the materialized mask (for "
@@ -375,9 +382,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
   """Transformers attention function (AttentionInterface) on the flash-attention kernel.
 
   query [B, Hq, Sq, D], key / value [B, Hkv, Skv, D] (GQA without repeat_kv);
-  `attention_mask` is what `make_attention_mask` (the mask function above) made: None, a bool
-  [B, Skv] padding mask, or int32 [B, Skv] segment ids of the keys (packed sequences or
-  chunks). Raises RuntimeError if the mask function registered under
+  `attention_mask` is what `make_attention_mask` (the mask function above) made: None, or
+  the 6-D view transformers_masks.encode_mask makes of a bool [B, Skv] padding mask or of
+  int32 [B, Skv] segment ids of the keys (packed sequences or chunks), whose shape gives
+  the model's sliding window and causality (these override the sliding_window and
+  is_causal arguments). Raises RuntimeError if the mask function registered under
   module.config._attn_implementation is not that one (see register_attention). Queries are
   the last Sq keys' positions (q_offset = Skv - Sq, as with no cache or a DynamicCache).
   is_causal (else module.is_causal), sliding_window, softcap (Gemma 2) and s_aux (gpt-oss
@@ -400,11 +409,22 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
   if kwargs.get("output_attentions", False):
     warnings.warn(f"{op}: the kernel returns no attention weights (output_attentions); use "
                   f"attn_implementation='eager' to get them", stacklevel=2)
-  mask_tags = transformers_masks.tags(attention_mask)
-  if mask_tags is not None:
+  if attention_mask is not None:
+    decoded = None
+    if isinstance(attention_mask, torch.Tensor):
+      decoded = transformers_masks.decode_mask(attention_mask)
+    if decoded is None:
+      shape = tuple(getattr(attention_mask, "shape", ()))
+      raise NotImplementedError(
+          f"{op}: got an attention_mask of shape {shape} ({type(attention_mask).__name__}): "
+          f"the kernel takes no arbitrary mask, only what its mask function makes (None, or "
+          f"a [B, Skv] padding mask or segment ids carrying the model's mask pattern in a "
+          f"6-D shape). Register the attention with register_attention() (it registers the "
+          f"mask function too) and do not pass a ready-made 4-D mask; use "
+          f"attn_implementation='eager' for custom masks")
     # The mask's pattern is the model's (what eager and SDPA with a mask apply); a layer's
     # sliding_window or is_causal may be missing (Phi-MoE passes no window) or disagree.
-    sliding_window, is_causal, has_padding = mask_tags
+    attention_mask, sliding_window, is_causal, has_padding = decoded
     if not has_padding:
       attention_mask = None
   if is_causal is None:
@@ -423,14 +443,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
   segment_ids = None
   if attention_mask is not None:
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-      shape = tuple(getattr(attention_mask, "shape", ()))
-      raise NotImplementedError(
-          f"{op}: got an attention_mask of shape {shape} ({type(attention_mask).__name__}): "
-          f"the kernel takes no arbitrary mask, only what its mask function makes (None, a "
-          f"[B, Skv] padding mask, [B, S] packed-sequence ids). Register the attention with "
-          f"register_attention() (it registers the mask function too) and do not pass a "
-          f"ready-made 4-D mask; use attn_implementation='eager' for custom masks")
     if attention_mask.dtype == torch.bool:
       validation.check_shape(op, "attention_mask", attention_mask, (batch, kv_len),
                              "the valid keys, [batch, kv_len]")

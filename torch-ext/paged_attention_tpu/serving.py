@@ -43,8 +43,9 @@ def make_attention_mask(batch_size: int = 1, q_length: int = 0, kv_length: int =
   its own causal (and sliding-window) visibility from the paging metadata, so any other
   pattern the model asks for (chunked, bidirectional, or/and overlays such as image
   tokens, a causal mask to materialize and add to) raises NotImplementedError. A
-  sliding-window pattern returns an empty [B, 0] tensor tagged with its window
-  (transformers_masks.tag), which the attention applies."""
+  sliding-window pattern returns an empty [B, 0] base carrying its window in its shape
+  (transformers_masks.encode_mask: [B, 0, 3, 3, code, 3]), which the attention
+  applies, in eager and under torch.compile alike."""
   if mask_function is None:
     return None
   pattern = transformers_masks.mask_pattern(mask_function)
@@ -54,18 +55,17 @@ def make_attention_mask(batch_size: int = 1, q_length: int = 0, kv_length: int =
         f"attention does not compute ({pattern.kind}: {pattern.name}); it computes causal "
         f"and sliding-window causal attention per sequence, not chunked or bidirectional "
         f"attention or or/and overlays (image tokens, blockwise)")
-  # Transformers turns allow_is_causal_skip off itself for packed sequences (every
-  # multi-sequence step) and overlays; otherwise the model asked for a materialized mask
-  # to add to or read (Doge's dynamic mask, Falcon's ALiBi, indexers).
-  if pattern.packed is None and kwargs.get("allow_is_causal_skip", True) is False:
+  # The model asks for a materialized mask to add to or read (Doge's dynamic mask,
+  # Falcon's ALiBi, indexers), packed steps included.
+  if transformers_masks.asks_for_materialized_mask(pattern, kwargs):
     raise NotImplementedError(
         "paged-attention-tpu serving: the model asks for its causal mask materialized "
         "(allow_is_causal_skip=False) to add to it or read it itself; the paged attention "
         "takes no mask")
-  if pattern.kind == "sliding" and not torch.compiler.is_compiling():
+  if pattern.kind == "sliding":
     # The window travels with the mask: some models pass no sliding_window (Phi-MoE).
     empty = torch.zeros(batch_size, 0, dtype=torch.bool, device=kwargs.get("device", "cpu"))
-    return transformers_masks.tag(empty, pattern, padding=False)
+    return transformers_masks.encode_mask(empty, pattern, padding=False)
   return None
 
 
@@ -113,9 +113,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                                                       torch.float8_e4m3fn):
     raise TypeError(f"{op}: the model computes in {k.dtype}, the cache holds "
                     f"{cache.k[layer].dtype}: allocate the cache in the model's dtype")
-  mask_tags = transformers_masks.tags(attention_mask)
-  if mask_tags is not None:
-    sliding_window = mask_tags[0]     # the model's mask pattern (make_attention_mask)
+  if attention_mask is not None:
+    decoded = None
+    if isinstance(attention_mask, torch.Tensor):
+      decoded = transformers_masks.decode_mask(attention_mask)
+    if decoded is None:
+      raise NotImplementedError(
+          f"{op}: got an attention_mask of shape {tuple(getattr(attention_mask, 'shape', ()))}"
+          f": the paged attention takes no mask, only what its mask function makes (None, or "
+          f"a sliding window carried in an empty mask's shape)")
+    sliding_window = decoded[1]     # the model's mask pattern (make_attention_mask)
   sinks = s_aux
   if sinks is not None and sinks.dtype not in (torch.float32, query.dtype):
     sinks = sinks.float()

@@ -3,12 +3,25 @@ functions (flash-attention-tpu, paged-attention-tpu's serving loop).
 
     mask_pattern(mask_function) -> MaskPattern(kind, packed, sliding_window, ...)
     check_mask_function(op, module, register_hint)
-    tag(mask, pattern, padding=...) / tags(mask) -> (sliding_window, causal, padding)
+    encode_mask(base, pattern, padding=...) -> mask [B, S, 3, 3, code, 3] (a view)
+    decode_mask(mask) -> (base [B, S], sliding_window, causal, padding) or None
+    asks_for_materialized_mask(pattern, kwargs)
 
 Transformers describes each forward's mask as a mask function (masking_utils: causal,
 sliding-window and chunked overlays, packed-sequence wrappers) and hands it to the mask
 function registered under the attention's name. `mask_pattern` recognises the patterns
 the kernels compute themselves; the packages refuse the rest with their own message.
+
+What a mask function returns carries the pattern to the attention call in its SHAPE:
+encode_mask(base [B, S], ...) is a zero-stride expanded view
+
+    [B, S, 3, 3, code, 3],   code = 1 + causal + 2 * has_padding + 4 * sliding_window
+
+of the bool valid-key mask or int32 segment ids (window 0: none; allocates nothing;
+`[..., 0, 0, 0, 0]` is the base again; the size-3 axes catch a model's slicing), and
+decode_mask reads it back. Python attributes on the tensor would be
+dropped by torch.compile; sizes are static in a traced graph, so eager and compiled calls
+read the same pattern through one code path (section "the pattern, in the shape").
 
 The attention call sees only what that mask function returned, and None also comes from
 Transformers when the name has an attention function but no mask function of ours
@@ -21,6 +34,10 @@ transformers is imported only when these are called.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
+import pathlib
+import re
 
 import torch
 
@@ -123,33 +140,93 @@ def check_mask_function(op: str, module: torch.nn.Module, register_hint: str) ->
       f"is not enough")
 
 
-# Attributes of the tensors a package's mask function returns: the sliding window of the
-# model's mask pattern (None for causal, chunked and bidirectional ones), whether the
-# pattern is causal (all but bidirectional), and whether the tensor holds padding (False:
-# made only to carry the rest). Some models build sliding-window masks but pass no
-# sliding_window to the attention call (Phi-MoE), or build bidirectional masks for layers
-# whose module says causal (config.is_causal=False): the pattern must travel with the mask.
-_WINDOW = "tpu_kernels_mask_window"
-_CAUSAL = "tpu_kernels_mask_causal"
-_HAS_PADDING = "tpu_kernels_mask_padding"
+# ---------------------------------------------------------------- the pattern, in the shape
+#
+# A mask function returns one tensor per pattern, read back by the attention call. The
+# pattern travels in that tensor's SHAPE, not in Python attributes (which torch.compile
+# does not carry): `encode_mask` returns a zero-stride expanded view of the [B, S] base
+#
+#     [B, S, MARK, MARK, code, MARK],  code = 1 + causal + 2 * has_padding + 4 * window
+#
+# (window 0: no sliding window; MARK = 3). expand allocates nothing, and sizes are static
+# under torch.compile (a traced graph specializes on them), so eager and compiled calls
+# read the same pattern through one code path; `mask[..., 0, 0, 0, 0]` is the base again.
+# has_padding False: the base was made only to carry the pattern (all keys valid). Some
+# models build sliding-window masks but pass no sliding_window to the attention call
+# (Phi-MoE), or build bidirectional masks for layers whose module says causal
+# (config.is_causal=False): the mask's pattern is the model's (what eager attention
+# applies), so the attention call follows it.
+# Why the MARK axes: slicing can only shrink sizes, and the slices models apply to 4-D
+# masks on their way to the attention (`mask[:, :, :q]`, `mask[:, :, :, :kv]`,
+# `mask[..., :kv]`) land on a MARK axis: either they keep it (a slice to >= MARK keys
+# changes nothing) or they shrink it and decode_mask refuses the tensor, where a flag
+# axis of size 1 or 2 would have been read as another pattern.
+MARK_SIZE = 3
+MASK_NDIM = 6
 
 
-def tag(mask: torch.Tensor, pattern: MaskPattern, *, padding: bool) -> torch.Tensor:
-  """mask with the pattern (window, causal) and whether it holds padding attached;
-  unchanged under torch.compile, which does not carry attributes set on a tensor it
-  traces."""
-  if not torch.compiler.is_compiling():
-    setattr(mask, _WINDOW, pattern.sliding_window)
-    setattr(mask, _CAUSAL, pattern.kind != "bidirectional")
-    setattr(mask, _HAS_PADDING, padding)
-  return mask
+def encode_mask(base: torch.Tensor, pattern: MaskPattern, *, padding: bool) -> torch.Tensor:
+  """base [B, S] (bool valid keys, or int32 segment ids) as the view described above."""
+  if base.dim() != 2:
+    raise ValueError(f"encode_mask: the base must be [B, S], got {tuple(base.shape)}")
+  code = (1 + int(pattern.kind != "bidirectional") + 2 * int(padding)
+          + 4 * (pattern.sliding_window or 0))
+  return base[:, :, None, None, None, None].expand(*base.shape, MARK_SIZE, MARK_SIZE, code,
+                                                   MARK_SIZE)
 
 
-def tags(mask) -> tuple[int | None, bool, bool] | None:
-  """(sliding_window, causal, holds padding) of a tensor `tag` marked, else None (also
-  under torch.compile: the attention call then takes the pattern from its arguments and
-  module)."""
-  if (not isinstance(mask, torch.Tensor) or torch.compiler.is_compiling()
-      or not hasattr(mask, _WINDOW)):
+def decode_mask(mask: torch.Tensor):
+  """(base [B, S], sliding_window or None, causal, has_padding) of a tensor `encode_mask`
+  made; None for a tensor of another rank. Raises ValueError for a 6-D tensor whose
+  MARK axes are not MARK_SIZE (sliced by the model on its way to the attention)."""
+  if mask.dim() != MASK_NDIM:
     return None
-  return getattr(mask, _WINDOW), getattr(mask, _CAUSAL), getattr(mask, _HAS_PADDING)
+  mark_a, mark_b, code, mark_c = (int(n) for n in mask.shape[2:])
+  if (mark_a, mark_b, mark_c) != (MARK_SIZE,) * 3 or code < 1:
+    raise ValueError(f"a 6-D attention_mask of shape {tuple(mask.shape)} is not one the "
+                     f"kernel's mask function made ([B, S, {MARK_SIZE}, {MARK_SIZE}, code, "
+                     f"{MARK_SIZE}]): the model changed it on its way to the attention")
+  code -= 1
+  return mask[..., 0, 0, 0, 0], code // 4 or None, bool(code & 1), bool(code & 2)
+
+
+# ---------------------------------------------------------------- models that read the mask
+#
+# A model that passes allow_is_causal_skip=False to Transformers' mask creation asks for
+# its causal mask materialized [B, 1, Sq, Skv] to add to it or read it (Doge's dynamic
+# mask, Falcon's ALiBi, sparse-attention indexers). The mask functions refuse that; but
+# Transformers also sets allow_is_causal_skip=False itself for packed sequences (and
+# under torch.compile every batch given position_ids but no 2-D mask counts as packed),
+# so from the call alone such a model's request is not told apart from packing. The
+# family's modeling source says it: read once per configuration module (cached; under
+# torch.compile a constant of the trace).
+_ASKS_MATERIALIZED = re.compile(r"""allow_is_causal_skip["']?\s*[=:]\s*False""")
+
+
+@torch.compiler.assume_constant_result
+def family_materializes_masks(config_module: str) -> bool:
+  """True iff the modeling module next to `config_module` (a Transformers configuration
+  module's name, e.g. "transformers.models.doge.configuration_doge") passes
+  allow_is_causal_skip=False to a mask creation."""
+  return _family_materializes_masks(config_module)
+
+
+@functools.cache
+def _family_materializes_masks(config_module: str) -> bool:
+  if ".configuration_" not in config_module:
+    return False
+  spec = importlib.util.find_spec(config_module.replace(".configuration_", ".modeling_"))
+  if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+    return False
+  return bool(_ASKS_MATERIALIZED.search(pathlib.Path(spec.origin).read_text()))
+
+
+def asks_for_materialized_mask(pattern: MaskPattern, kwargs: dict) -> bool:
+  """Whether the model asked Transformers for its causal or sliding mask materialized
+  (see above): `kwargs` are the mask function's extra keyword arguments."""
+  if pattern.kind not in ("causal", "sliding") or kwargs.get("allow_is_causal_skip", True):
+    return False
+  if pattern.packed is None:
+    return True       # Transformers turns the skip off itself only for packing and overlays
+  config = kwargs.get("config")
+  return config is not None and family_materializes_masks(type(config).__module__)
