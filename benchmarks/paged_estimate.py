@@ -69,12 +69,18 @@ def kernel_program(case: PagedDecode, chip: str, batch: int, block_kv: int | Non
                   pages_per_seq=pages_per_seq, num_kv_heads=case.kv_heads, rows=t.rows,
                   group=group, vmem_limit_bytes=t.vmem_limit_bytes, interpret=False,
                   item_floors=tuple(floors[f] for f in PA._ITEM_FIELDS))
-  num_pages = batch * pages_per_seq
-  cache = S((num_pages, case.kv_heads, case.page_size, case.head_dim),
+  fn, specs = _kernel_call(case, t, st, batch, pages_per_seq,
+                           PA._kv_steps(pages_per_seq, t.pages_per_block))
+  return fn, specs, t
+
+
+def _kernel_call(case, t: PA.Tiling, st, batch: int, pages_per_seq: int, kv_steps: int):
+  """(fn, specs): PA._call on `batch` items of `pages_per_seq` pages, each visiting
+  `kv_steps` kv blocks (the slot table's length per item), caches [pages, Hkv, page, D]."""
+  cache = S((batch * pages_per_seq, case.kv_heads, case.page_size, case.head_dim),
             jnp.dtype(case.kv_dtype))
   specs = [*(S((batch,), jnp.int32) for _ in PA._ITEM_FIELDS),
-           S((batch * PA._kv_steps(pages_per_seq, t.pages_per_block) * t.pages_per_block,),
-             jnp.int32),
+           S((batch * kv_steps * t.pages_per_block,), jnp.int32),
            S((2, case.kv_heads), jnp.float32),
            S((batch, case.kv_heads * t.rows, case.head_dim), jnp.dtype(case.q_dtype)), cache,
            cache]
@@ -84,7 +90,7 @@ def kernel_program(case: PagedDecode, chip: str, batch: int, block_kv: int | Non
     slot_pages, scales, q_items, k_pages, v_pages = args[len(PA._ITEM_FIELDS):]
     return PA._call(items, slot_pages, scales, q_items, None, k_pages, v_pages, st)
 
-  return fn, specs, t
+  return fn, specs
 
 
 def _rated_cycles(case: PagedDecode, chip: str, block_kv: int | None):
@@ -221,22 +227,9 @@ def batch_kernel_program(case: PagedBatch, t: PA.Tiling, floors: tuple, batch: i
                   vmem_limit_bytes=t.vmem_limit_bytes, interpret=False,
                   item_floors=tuple(int(f) for f in floors),
                   small_rows=PA.small_rows(t, group, jnp.dtype(case.q_dtype)))
-  cache = S((batch * pages_per_seq, case.kv_heads, case.page_size, case.head_dim),
-            jnp.dtype(case.kv_dtype))
-  specs = [*(S((batch,), jnp.int32) for _ in PA._ITEM_FIELDS),
-           S((batch * PA._grid_steps(pages_per_seq, t.pages_per_block, case.page_size,
-                                     t.block_q, case.sliding_window) * t.pages_per_block,),
-             jnp.int32),
-           S((2, case.kv_heads), jnp.float32),
-           S((batch, case.kv_heads * t.rows, case.head_dim), jnp.dtype(case.q_dtype)), cache,
-           cache]
-
-  def fn(*args):
-    items = dict(zip(PA._ITEM_FIELDS, args[:len(PA._ITEM_FIELDS)]))
-    slot_pages, scales, q_items, k_pages, v_pages = args[len(PA._ITEM_FIELDS):]
-    return PA._call(items, slot_pages, scales, q_items, None, k_pages, v_pages, st)
-
-  return fn, specs
+  return _kernel_call(case, t, st, batch, pages_per_seq,
+                      PA._grid_steps(pages_per_seq, t.pages_per_block, case.page_size,
+                                     t.block_q, case.sliding_window))
 
 
 def batch_hbm_bytes(case: PagedBatch, t: PA.Tiling, slot_pages) -> int:
