@@ -987,6 +987,25 @@ TOKAMAX_ROWS = (2, 4, 8)        # q-block rows of the truncated grids (2 heads e
 TOKAMAX_ROW_COMPARES = 7        # every truncation's row closed form does this many compares
 
 
+def triangle_row(g, compares: int):
+  """The row of grid index g (jnp or int) in a row-major list of a square grid's
+  on-or-below-diagonal blocks (row i holds i + 1 blocks and starts at i (i + 1) / 2), by
+  `compares` threshold tests (rows - 1 suffice): no division, which SMEM index maps lack."""
+  import jax.numpy as jnp
+  thresholds = [t * (t + 1) // 2 for t in range(1, compares + 1)]
+  if isinstance(g, int):
+    return sum(g >= t for t in thresholds)
+  i = jnp.int32(0)
+  for t in thresholds:
+    i = i + (g >= t).astype(jnp.int32)
+  return i
+
+
+def triangle_col(g, row):
+  """The column of grid index g in that list, given its row (triangle_row)."""
+  return g - ((row * (row + 1)) >> 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class TokamaxAttentionAnchor(_AttentionCase, _Tokamax):
   """tokamax's `dot_product_attention` on TPU (implementation "mosaic"): its fork of splash
@@ -1071,18 +1090,10 @@ class TokamaxAttentionAnchor(_AttentionCase, _Tokamax):
 
   # The causal block list (one head), as functions of the grid index g (jnp or int):
   def row(self, g):
-    import jax.numpy as jnp
-    thresholds = [t * (t + 1) // 2 for t in range(1, TOKAMAX_ROW_COMPARES + 1)]
-    if isinstance(g, int):
-      return sum(g >= t for t in thresholds)
-    i = jnp.int32(0)
-    for t in thresholds:
-      i = i + (g >= t).astype(jnp.int32)
-    return i
+    return triangle_row(g, TOKAMAX_ROW_COMPARES)
 
   def col(self, g):
-    i = self.row(g)
-    return g - ((i * (i + 1)) >> 1)
+    return triangle_col(g, self.row(g))
 
   def forms(self, prng_key: bool = False):
     """Closed forms of the scalar prefetch: active_rows, active_cols, mask_next (None),

@@ -476,22 +476,14 @@ class CalibrationAttention(anchors._Tokamax):
       raise ValueError(f"full-mask closed forms need a power-of-two kv block count ({self.nk})")
 
   def row(self, g):
-    import jax.numpy as jnp
     if not self.causal:
       return g // self.nk if isinstance(g, int) else g >> int(math.log2(self.nk))
-    thresholds = [t * (t + 1) // 2 for t in range(1, self.nq)]
-    if isinstance(g, int):
-      return sum(g >= t for t in thresholds)
-    i = jnp.int32(0)
-    for t in thresholds:
-      i = i + (g >= t).astype(jnp.int32)
-    return i
+    return anchors.triangle_row(g, self.nq - 1)
 
   def col(self, g):
     if not self.causal:
       return g % self.nk if isinstance(g, int) else g & (self.nk - 1)
-    i = self.row(g)
-    return g - ((i * (i + 1)) >> 1)
+    return anchors.triangle_col(g, self.row(g))
 
   def last_col(self, g):
     return self.row(g) if self.causal else self.nk - 1

@@ -324,3 +324,15 @@ def test_tokamax_anchor_compiles_in_its_environment(key, trunc):
   assert f"tokamax {version}," in anchors._SPECS()[key].implementation
   out = anchors._child(key, "v6e", trunc, profile=False)
   assert out["kernels"] == 1
+
+
+def test_triangle_row_and_col_enumerate_the_lower_triangle():
+  """The causal block list's closed forms (tokamax's anchor and calibration.py share them):
+  grid index g walks the on-or-below-diagonal blocks row by row, for int and traced g."""
+  rows = 7
+  expected = [(i, j) for i in range(rows) for j in range(i + 1)]
+  for g, (i, j) in enumerate(expected):
+    assert anchors.triangle_row(g, rows - 1) == i
+    assert anchors.triangle_col(g, i) == j
+    traced = anchors.triangle_row(jnp.int32(g), rows - 1)
+    assert (int(traced), int(anchors.triangle_col(jnp.int32(g), traced))) == (i, j)
