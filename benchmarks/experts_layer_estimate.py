@@ -107,7 +107,7 @@ class RoutedGmm(ragged_estimate.GmmCase):
   hit: int = 0
 
   def table(self) -> RoutedTable:
-    return RoutedTable(self.m, self.groups, self.tiling().block_m, self.hit)
+    return RoutedTable(self.m, self.groups, self.tiling().block_m, hit=self.hit)
 
 
 # v5e's estimator aborts on the kernel with 8-row bf16 tiles (an LLO type check on vmatmul,
