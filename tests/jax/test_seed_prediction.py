@@ -102,3 +102,23 @@ def test_table_is_made_from_the_results_file():
   assert table in docs, "docs/performance.md's seed table is not the module's table"
   ratio = f"{summary['v6e']['default_experts_ratio']:.2f}x"
   assert re.search(re.escape(ratio), table)
+
+
+@pytest.mark.aot
+def test_default_as_written_copies_the_transposed_weights_for_v6e():
+  """The claim behind the default's "as written" rows: compiled for v6e, XLA's ragged_dot on
+  Transformers' transposed (E, 2I, H) weights first copies all of them; on (E, H, 2I) it
+  does not."""
+  from tpu_kernels import aot
+  device = aot.topology_device("v6e")
+  layer = S.QWEN3
+  weights = f"bf16[{layer.local_experts},{2 * layer.width},{layer.hidden}]"
+  for copy in (True, False):
+    fn, specs, how = next(v for k, v in S.default_programs(layer, copy).items()
+                          if k.startswith("gate/up grouped_mm"))
+    assert how == "cost_analysis"
+    text = jax.jit(fn).trace(*[aot._on_device(s, device) for s in specs]).lower() \
+        .compile().as_text()
+    assert "ragged-dot" in text
+    copies = [l for l in text.splitlines() if " copy(" in l and weights in l.split("=")[1]]
+    assert bool(copies) == copy, (copy, copies)
