@@ -525,6 +525,7 @@ def main(argv) -> int:
     for group, ps in rated.items():
       results["chips"].setdefault(chip, {}).setdefault(group, {}).update(ps)
   results["summary"] = summary(results)
+  results["seed_speedup"] = SEED_SPEEDUP   # the claims the prediction is set against
   RESULTS.write_text(json.dumps(results, indent=1, default=float) + "\n")
   print(table(results))
   return 0

@@ -6,6 +6,7 @@ benchmarks/estimate.py). Text only: no jax, no torch; well under a second."""
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -16,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 ESTIMATES = ROOT / "benchmarks" / "results" / "estimates.md"
 CALIBRATION = ROOT / "benchmarks" / "results" / "calibration.md"
+SEED_PREDICTION = ROOT / "benchmarks" / "results" / "seed_prediction.json"
 CARD_CHART = "estimates.png"   # scripts/build.py CARD_CHART: the chart at the Hub repo's root
 
 TWO_COMMANDS = """# Pallas TPU kernels for PyTorch
@@ -151,10 +153,17 @@ def test_headline_rows_are_the_estimates_files():
 
 
 def _estimate_numbers() -> set[float]:
-  """Every decimal of the generated results the front page may quote: the estimates and the
-  calibration against real-chip times (benchmarks/calibration.py)."""
+  """Every decimal of the generated results the front page may quote: the estimates, the
+  calibration against real-chip times (benchmarks/calibration.py) and the seed prediction
+  (benchmarks/seed_prediction.py)."""
   text = ESTIMATES.read_text() + CALIBRATION.read_text()
-  return {float(n.replace(",", "")) for n in DECIMAL.findall(text)}
+  numbers = {float(n.replace(",", "")) for n in DECIMAL.findall(text)}
+  # The seed-prediction ratios (benchmarks/seed_prediction.py), as the README rounds them,
+  # and the speed-ups that prediction is set against.
+  seed = json.loads(SEED_PREDICTION.read_text())
+  numbers |= {round(v, 2) for chip in seed["summary"].values() for k, v in chip.items()
+              if k.endswith("_ratio")}
+  return numbers | set(seed["seed_speedup"].values())
 
 
 def test_every_number_of_the_performance_section_is_in_the_estimates_file():
