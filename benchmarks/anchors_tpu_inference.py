@@ -58,6 +58,10 @@ import tuning  # noqa: E402
 VERSION = "0.32.0"
 STACK = "jax 0.11.2, libtpu 0.0.48"          # what requirements-tpu-inference.txt pins with it
 VENV = anchors.ROOT / ".venv-tpu-inference"
+# The compiler RPA v3 is estimated with (`_child_via_export`): libtpu 0.0.48's estimator aborts
+# on it, so tpu-inference's jax lowers it and the TorchTPU stack's libtpu compiles it.
+NEWER_VENV = anchors.ROOT / ".venv-jax012"
+NEWER_COMPILER = "libtpu 0.0.50.1"
 
 
 # ----------------------------------------------------------------------------------------
@@ -184,6 +188,84 @@ def rate_resolved(spec, chip: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------
+# Lowered by tpu-inference's jax, compiled by a newer libtpu (jax.export between the two)
+
+
+def _flatbuffers_from(venv: Path) -> None:
+  """jax.export's serialization needs flatbuffers, which tpu-inference's environment lacks:
+  the pure-Python package of `venv` (the same release jax 0.12 uses), imported by path."""
+  import importlib.util
+  if importlib.util.find_spec("flatbuffers") is not None:
+    return
+  (path,) = venv.glob("lib/python3*/site-packages/flatbuffers")
+  spec = importlib.util.spec_from_file_location("flatbuffers", path / "__init__.py",
+                                                submodule_search_locations=[str(path)])
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["flatbuffers"] = module
+  spec.loader.exec_module(module)
+
+
+def _export_main(key: str, chip: str, trunc_json: str, path: str) -> None:
+  """(In VENV) the spec's program at `trunc`, lowered for TPU by jax.export, to `path`."""
+  import jax
+  _flatbuffers_from(NEWER_VENV)
+  spec = next(s for s in specs() if s.key == key)
+  with stand_ins(chip):
+    fn, arg_specs = spec.build(json.loads(trunc_json), chip)
+    exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*arg_specs)
+  Path(path).write_bytes(exported.serialize())
+  tuning.print_row(dict(exported_bytes=Path(path).stat().st_size))
+
+
+def _compile_exported_main(path: str, chip: str) -> None:
+  """(In NEWER_VENV) compiles the exported program for `chip`: anchors._child_main's row."""
+  import resource
+  import time
+  start = time.time()
+  import jax
+  from tpu_kernels import aot
+  exported = jax.export.deserialize(bytearray(Path(path).read_bytes()))
+  device = aot.topology_device(chip)
+  arg_specs = [aot._on_device(jax.ShapeDtypeStruct(a.shape, a.dtype), device)
+               for a in exported.in_avals]
+  text = jax.jit(exported.call).trace(*arg_specs).lower().compile().as_text()
+  if os.environ.get("ANCHOR_STATIC_PROFILE", "1") == "1":
+    cycles, count = anchors._kernel_cycles(text)
+  else:
+    cycles, count = None, text.count('custom_call_target="tpu_custom_call"')
+  tuning.print_row(dict(cycles=cycles, kernels=count, seconds=round(time.time() - start, 1),
+                        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+                        compiler=NEWER_COMPILER))
+
+
+def _child_via_export(key: str, chip: str, trunc, profile: bool = True) -> dict:
+  """anchors._child's contract, in two children: VENV lowers (jax 0.11.2, the kernel's own
+  Mosaic), NEWER_VENV compiles and estimates (libtpu 0.0.50.1)."""
+  import tempfile
+  import time
+  for venv in (VENV, NEWER_VENV):
+    if not (venv / "bin" / "python").exists():
+      raise RuntimeError(f"{venv} is missing: scripts/setup.sh makes it")
+  start = time.time()
+  env = tuning.child_env(ANCHOR_STATIC_PROFILE="1" if profile else "0")
+  env.pop("TPU_LIBRARY_PATH", None)   # each environment loads its own libtpu
+  with tempfile.TemporaryDirectory(prefix="tpu_inference_export_") as tmp:
+    path = str(Path(tmp) / "program.jax_exported")
+    _, error = tuning.run_child(__file__, ["--export", key, chip, json.dumps(trunc), path],
+                                timeout=300, env=env, python=VENV / "bin" / "python")
+    if error:
+      raise RuntimeError(f"child (export) {error} ({key} {chip} {trunc})")
+    rows, error = tuning.run_child(__file__, ["--compile-exported", path, chip],
+                                   timeout=anchors.CHILD_TIMEOUT_S, env=env,
+                                   python=NEWER_VENV / "bin" / "python")
+  if error:
+    raise RuntimeError(f"child {error} ({key} {chip} {trunc}, {NEWER_COMPILER})")
+  out = rows[-1]
+  out["wall_s"] = round(time.time() - start, 1)
+  return out
+
+
+# ----------------------------------------------------------------------------------------
 # megablox gmm
 
 
@@ -224,7 +306,12 @@ class GmmSpec(_TpuInference):
 
   @property
   def closed_form(self) -> anchors.GmmClosedForm:
-    return anchors.GmmClosedForm(self.case.m, self.case.groups, self.tiling[0])
+    """Balanced routing; with fewer rows than experts (Qwen3-30B-A3B at m=64), the first m
+    experts get one row each and the rest none (not visited), as for jax's megablox."""
+    c = self.case
+    if c.active_groups < c.groups:
+      return anchors.GmmClosedForm(c.m, c.active_groups, self.tiling[0], c.groups)
+    return anchors.GmmClosedForm(c.m, c.groups, self.tiling[0])
 
   truncations = anchors.GmmAnchor.truncations
 
@@ -240,7 +327,9 @@ class GmmSpec(_TpuInference):
     gate = (" gate_up: plain matmul to [m, 2 * width]; the gated unit is not fused in this "
             "gmm (tpu-inference fuses it in fused_moe), its extra pass not counted."
             if self.case.part.startswith("gate_up") else "")
-    return ("Balanced routing; rhs in gmm's [G, k, n] layout; bf16 output; the XLA ops of "
+    return ("Balanced routing (m / experts rows each; with fewer rows than experts, m experts "
+            "of one row and the rest empty, not visited); rhs in gmm's [G, k, n] layout; bf16 "
+            "output; the XLA ops of "
             "make_group_metadata are not rated (the metadata is an input). Tiling: its "
             "get_tuned_block_sizes (config says whether the case has a tuned entry or took "
             "its default)." + gate)
@@ -420,16 +509,23 @@ class FlashSpec(_TpuInference):
 
 @dataclasses.dataclass(frozen=True)
 class RpaV3Spec(_TpuInference):
-  """The decode batch as RPA v3 sees it: `batch` sequences of one query token and `context`
-  cached tokens (distribution = (batch, batch, batch): all decode; its mixed kernel runs over
-  an empty range). Its kernel has grid (1,) and loops over the sequences (pl.loop between SMEM
-  values of `distribution`) and each sequence's kv blocks (up to cdiv(kv_lens[s], bkv_sz)),
-  which the estimator reads as 0; here those reads are constants of the batch ("const":
-  distribution -> batch, kv_lens -> context); cu_q_lens[i] and page-table reads yield
-  max(value, i) (the batch's values: one token a sequence, pages in order). Its SMEM state carried between iterations (semaphore / buffer ids) is
-  left alone (read as 0 by the estimator)."""
+  """A decode batch as RPA v3 sees it (a PagedDecode case, or a PagedBatch with no prefill
+  chunks): `batch` sequences of one query token and `context` cached tokens (distribution =
+  (batch, batch, batch): all decode; its mixed kernel runs over an empty range). Its kernel
+  has grid (1,) and loops over the sequences (pl.loop between SMEM values of `distribution`)
+  and each sequence's kv blocks (up to cdiv(kv_lens[s], bkv_sz)), which the estimator reads
+  as 0; here those reads are constants of the batch ("const": distribution -> batch, kv_lens
+  -> context); cu_q_lens[i] and page-table reads yield max(value, i) (the batch's values: one
+  token a sequence, pages in order). Its SMEM state carried between iterations (semaphore /
+  buffer ids) is left alone (read as 0 by the estimator).
 
-  case: headline.PagedDecode
+  Compiler: libtpu 0.0.48's estimator aborts on this kernel (`LLO_CHECK ... Expected
+  vector-int16, got vector-int32`, v5e and v6e); the program is lowered by tpu-inference's
+  own jax 0.11.2 (its Mosaic, as served) and compiled and estimated by libtpu 0.0.50.1
+  (`_child_via_export`). 1-byte caches (int8 / fp8): its per-tensor k_scale / v_scale
+  (1.0; it has no per-head scale)."""
+
+  case: object
   chosen: tuple | None = None
 
   @property
@@ -437,9 +533,22 @@ class RpaV3Spec(_TpuInference):
     return f"tpu-inference-rpa-v3:{self.case.name}"
 
   @property
+  def batch(self) -> int:
+    return getattr(self.case, "batch", None) or self.case.decode
+
+  @property
+  def kv_dtype(self) -> str:
+    return self.case.kv_dtype
+
+  @property
   def implementation(self) -> str:
-    return (f"tpu-inference ragged_paged_attention v3 (tpu-inference {VERSION}, {STACK}, its "
-            f"decode block sizes, static-length variant)")
+    return (f"tpu-inference ragged_paged_attention v3 (tpu-inference {VERSION}, lowered by "
+            f"jax 0.11.2, compiled by {NEWER_COMPILER}, its decode block sizes, "
+            f"static-length variant)")
+
+  def rate(self, chip: str) -> dict:
+    with mock.patch.object(anchors, "_child", _child_via_export):
+      return rate_resolved(self, chip)
 
   @property
   def truncations(self):
@@ -452,7 +561,8 @@ class RpaV3Spec(_TpuInference):
 
   @property
   def method(self) -> str:
-    how = "static estimate at the full batch (static-length variant: SMEM loop bounds as constants)"
+    how = ("static estimate at the full batch (static-length variant: SMEM loop bounds as "
+           f"constants), lowered by jax 0.11.2, compiled by {NEWER_COMPILER}")
     if self.chosen and len(self.truncations) == 2:
       how += (f", rated at contexts {self.truncations[0][0]} and {self.truncations[1][0]} (one "
               f"and two kv blocks) and extrapolated linearly in kv blocks to {self.case.context}")
@@ -460,21 +570,24 @@ class RpaV3Spec(_TpuInference):
 
   @property
   def note(self) -> str:
+    scale = (f" {self.kv_dtype} cache with its per-tensor k_scale / v_scale (1.0)."
+             if self.kv_dtype != "bfloat16" else "")
     return ("Static-length variant (see RpaV3Spec). update_kv_cache=False: it attends to the "
             "cached tokens without writing this step's K/V (its fused cache write, as served, "
             "adds 2*B*Hkv*D*2 bytes). K/V in its fused [pages, page, 2*Hkv/packing, packing, "
             "D] layout. Block sizes: ragged_paged_attention's decode default "
             "(get_default_block_sizes; its 4,463-line tuned table is only read by the hd64 "
             "variant in 0.32.0, and vLLM passes none unless RPA_V3_DECODE_BLOCK_SIZES is set); "
-            "vmem_limit_bytes its default (the chip's VMEM capacity)")
+            "vmem_limit_bytes its default (the chip's VMEM capacity)." + scale)
 
   def choose(self, chip: str) -> dict:
     import jax.numpy as jnp
     K = kernel_module("ragged_paged_attention.v3.kernel")
     c = self.case
-    sizes = K.get_default_block_sizes(jnp.bfloat16, jnp.bfloat16, c.q_heads, c.kv_heads,
-                                      c.head_dim, c.page_size, c.batch, c.batch,
-                                      c.context // c.page_size, case=K.RpaCase.DECODE)
+    sizes = K.get_default_block_sizes(jnp.bfloat16, jnp.dtype(self.kv_dtype), c.q_heads,
+                                      c.kv_heads, c.head_dim, c.page_size, self.batch,
+                                      self.batch, c.context // c.page_size,
+                                      case=K.RpaCase.DECODE)
     return dict(d_block_sizes=[sizes[k] for k in ("bq_sz", "bkv_sz", "bq_csz", "bkv_csz")],
                 page_size=c.page_size)
 
@@ -482,6 +595,8 @@ class RpaV3Spec(_TpuInference):
     c = self.case
     if c.context % c.page_size:
       raise ValueError("the static kv lengths assume whole pages")
+    if getattr(c, "prefill", 0) or getattr(c, "sliding_window", None) is not None:
+      raise ValueError("decode batches without a window only")
 
   def kv_blocks(self, context: int | None = None) -> int:
     c = self.case
@@ -496,27 +611,29 @@ class RpaV3Spec(_TpuInference):
     self.validate_shapes()
     K = kernel_module("ragged_paged_attention.v3.kernel")
     chosen = self.config_for(chip)
-    c = self.case
+    c, batch = self.case, self.batch
     pages_per_seq = context // c.page_size
     # Loop bounds (kv_lens, distribution) as constants; cu_q_lens as max(value, i): a constant
     # would make the never-taken prefetch of sequence `batch` a static out-of-bounds slice.
     forms = (("const", lambda s: np.int32(context)), lambda i: i, lambda i: i,
-             ("const", lambda i: np.int32(c.batch)), None, None, None)
-    kv_cache_shape = K.get_kv_cache_shape(c.batch * pages_per_seq, c.page_size, c.kv_heads,
-                                          c.head_dim, jnp.bfloat16)
+             ("const", lambda i: np.int32(batch)), None, None, None)
+    kv_dtype = jnp.dtype(self.kv_dtype)
+    kv_cache_shape = K.get_kv_cache_shape(batch * pages_per_seq, c.page_size, c.kv_heads,
+                                          c.head_dim, kv_dtype)
+    scales = {} if self.kv_dtype == "bfloat16" else dict(k_scale=1.0, v_scale=1.0)
 
     def fn(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution):
       with anchors.visible_prefetch(K, forms):
         return K.ragged_paged_attention(
             q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
             sm_scale=c.head_dim ** -0.5, update_kv_cache=False,
-            d_block_sizes=tuple(chosen["d_block_sizes"]))
+            d_block_sizes=tuple(chosen["d_block_sizes"]), **scales)
     S = jax.ShapeDtypeStruct
-    return fn, [S((c.batch, c.q_heads, c.head_dim), jnp.bfloat16),
-                S((c.batch, c.kv_heads, c.head_dim), jnp.bfloat16),
-                S((c.batch, c.kv_heads, c.head_dim), jnp.bfloat16),
-                S(kv_cache_shape, jnp.bfloat16), S((c.batch,), jnp.int32),
-                S((c.batch * pages_per_seq,), jnp.int32), S((c.batch + 1,), jnp.int32),
+    return fn, [S((batch, c.q_heads, c.head_dim), jnp.bfloat16),
+                S((batch, c.kv_heads, c.head_dim), kv_dtype),
+                S((batch, c.kv_heads, c.head_dim), kv_dtype),
+                S(kv_cache_shape, kv_dtype), S((batch,), jnp.int32),
+                S((batch * pages_per_seq,), jnp.int32), S((batch + 1,), jnp.int32),
                 S((3,), jnp.int32)]
 
   def extrapolate(self, cycles: dict) -> float:
@@ -529,9 +646,9 @@ class RpaV3Spec(_TpuInference):
   def hbm_bytes(self) -> int:
     """Each sequence's K/V pages once (whole kv blocks); q read and o written once."""
     c = self.case
-    kv = 2 * c.batch * c.kv_heads * self.kv_blocks() * self.get("d_block_sizes")[1] \
-        * c.head_dim * 2
-    return kv + 2 * c.batch * c.q_heads * c.head_dim * 2
+    kv = 2 * self.batch * c.kv_heads * self.kv_blocks() * self.get("d_block_sizes")[1] \
+        * c.head_dim * headline.ITEMSIZE[self.kv_dtype]
+    return kv + 2 * self.batch * c.q_heads * c.head_dim * 2
 
   def hand(self, chip) -> dict:
     return dict(hand_us=self.hbm_bytes() / chip.hbm_bytes_per_s * 1e6,
@@ -694,6 +811,22 @@ NOT_RATED = {
 }
 
 
+def not_rated_why(case) -> str | None:
+  """Why a case of a kind tpu-inference has a kernel for gets no row (None: it gets one)."""
+  if isinstance(case, headline.PagedBatch):
+    if case.kv_dtype == "int8":
+      return ("RPA v3 refuses an int8 cache (static_validate_inputs: 'Expected "
+              "kv_cache.dtype=int8 to be a floating point'); its 1-byte cache is fp8")
+    if case.prefill:
+      return ("mixed batch (decode + chunked prefill): not expressed yet (its mixed kernel "
+              "loops over q blocks of SMEM-dependent length)")
+    if case.sliding_window is not None:
+      return ("sliding window: not expressed yet (its first kv block per sequence is "
+              "(kv_len - q_len - window) // bkv_sz, a run-time signed division, the pattern "
+              "the estimator is known to read as 0: it would rate the whole context)")
+  return None
+
+
 def specs_for(case) -> list:
   """The tpu-inference specs rated on `case` (by its class; [] if none applies)."""
   if isinstance(case, headline.GroupedMatmul):
@@ -702,6 +835,8 @@ def specs_for(case) -> list:
     return [FlashSpec(case)]
   if isinstance(case, headline.PagedDecode):
     return [RpaV3Spec(case)]
+  if isinstance(case, headline.PagedBatch):
+    return [] if not_rated_why(case) else [RpaV3Spec(case)]
   if all(hasattr(case, a) for a in EXPERTS_LAYER_FIELDS):   # the whole experts layer
     return [FusedMoeSpec(case)]
   return []
@@ -717,10 +852,24 @@ def specs() -> list:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--choose", nargs=2, metavar=("KEY", "CHIP"), required=True,
-                      help="print the config the kernel picks for the case (in the venv)")
+  mode = parser.add_mutually_exclusive_group(required=True)
+  mode.add_argument("--choose", nargs=2, metavar=("KEY", "CHIP"),
+                    help="print the config the kernel picks for the case (in the venv)")
+  mode.add_argument("--export", nargs=4, metavar=("KEY", "CHIP", "TRUNC", "PATH"),
+                    help=argparse.SUPPRESS)            # see _child_via_export
+  mode.add_argument("--compile-exported", nargs=2, metavar=("PATH", "CHIP"),
+                    help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.compile_exported:
+    if os.environ.get("ANCHOR_STATIC_PROFILE", "1") == "1":
+      tuning.enable_static_profile()   # before jax loads
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    _compile_exported_main(*args.compile_exported)
+    return 0
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if args.export:
+    _export_main(*args.export)
+    return 0
   key, chip = args.choose
   spec = next(s for s in specs() if s.key == key)
   with stand_ins(chip):
