@@ -23,9 +23,11 @@ answers with the AOT target device.
     against tpu-inference's own make_group_metadata), at its `get_tuned_block_sizes`.
   * `flash_attention` (`FlashSpec`, Attention cases): no GQA (k / v repeated to every head,
     as for jax's flash anchor), no scalar prefetch: rated at 2 and 4 heads, extrapolated.
-  * ragged paged attention v3 (`RpaV3Spec`, PagedDecode cases): grid (1,), loops over the
-    sequences and kv blocks bounded by SMEM values (distribution, kv_lens, cu_q_lens), so they
-    read the batch's values as constants (static-length variant, like anchors.RaggedPagedAnchor).
+  * ragged paged attention v3 (`RpaV3Spec`, PagedDecode cases and the decode-only PagedBatch
+    ones): grid (1,), loops over the sequences and kv blocks bounded by SMEM values
+    (distribution, kv_lens, cu_q_lens), so they read the batch's values as constants
+    (static-length variant, like anchors.RaggedPagedAnchor). The other serving batches say
+    why not (`not_rated_why`).
 
   * fused_moe v1 (`FusedMoeSpec`, experts-layer cases): see there.
 
@@ -58,10 +60,6 @@ import tuning  # noqa: E402
 VERSION = "0.32.0"
 STACK = "jax 0.11.2, libtpu 0.0.48"          # what requirements-tpu-inference.txt pins with it
 VENV = anchors.ROOT / ".venv-tpu-inference"
-# The compiler RPA v3 is estimated with (`_child_via_export`): libtpu 0.0.48's estimator aborts
-# on it, so tpu-inference's jax lowers it and the TorchTPU stack's libtpu compiles it.
-NEWER_VENV = anchors.ROOT / ".venv-jax012"
-NEWER_COMPILER = "libtpu 0.0.50.1"
 
 
 # ----------------------------------------------------------------------------------------
@@ -188,84 +186,6 @@ def rate_resolved(spec, chip: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------
-# Lowered by tpu-inference's jax, compiled by a newer libtpu (jax.export between the two)
-
-
-def _flatbuffers_from(venv: Path) -> None:
-  """jax.export's serialization needs flatbuffers, which tpu-inference's environment lacks:
-  the pure-Python package of `venv` (the same release jax 0.12 uses), imported by path."""
-  import importlib.util
-  if importlib.util.find_spec("flatbuffers") is not None:
-    return
-  (path,) = venv.glob("lib/python3*/site-packages/flatbuffers")
-  spec = importlib.util.spec_from_file_location("flatbuffers", path / "__init__.py",
-                                                submodule_search_locations=[str(path)])
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["flatbuffers"] = module
-  spec.loader.exec_module(module)
-
-
-def _export_main(key: str, chip: str, trunc_json: str, path: str) -> None:
-  """(In VENV) the spec's program at `trunc`, lowered for TPU by jax.export, to `path`."""
-  import jax
-  _flatbuffers_from(NEWER_VENV)
-  spec = next(s for s in specs() if s.key == key)
-  with stand_ins(chip):
-    fn, arg_specs = spec.build(json.loads(trunc_json), chip)
-    exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*arg_specs)
-  Path(path).write_bytes(exported.serialize())
-  tuning.print_row(dict(exported_bytes=Path(path).stat().st_size))
-
-
-def _compile_exported_main(path: str, chip: str) -> None:
-  """(In NEWER_VENV) compiles the exported program for `chip`: anchors._child_main's row."""
-  import resource
-  import time
-  start = time.time()
-  import jax
-  from tpu_kernels import aot
-  exported = jax.export.deserialize(bytearray(Path(path).read_bytes()))
-  device = aot.topology_device(chip)
-  arg_specs = [aot._on_device(jax.ShapeDtypeStruct(a.shape, a.dtype), device)
-               for a in exported.in_avals]
-  text = jax.jit(exported.call).trace(*arg_specs).lower().compile().as_text()
-  if os.environ.get("ANCHOR_STATIC_PROFILE", "1") == "1":
-    cycles, count = anchors._kernel_cycles(text)
-  else:
-    cycles, count = None, text.count('custom_call_target="tpu_custom_call"')
-  tuning.print_row(dict(cycles=cycles, kernels=count, seconds=round(time.time() - start, 1),
-                        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
-                        compiler=NEWER_COMPILER))
-
-
-def _child_via_export(key: str, chip: str, trunc, profile: bool = True) -> dict:
-  """anchors._child's contract, in two children: VENV lowers (jax 0.11.2, the kernel's own
-  Mosaic), NEWER_VENV compiles and estimates (libtpu 0.0.50.1)."""
-  import tempfile
-  import time
-  for venv in (VENV, NEWER_VENV):
-    if not (venv / "bin" / "python").exists():
-      raise RuntimeError(f"{venv} is missing: scripts/setup.sh makes it")
-  start = time.time()
-  env = tuning.child_env(ANCHOR_STATIC_PROFILE="1" if profile else "0")
-  env.pop("TPU_LIBRARY_PATH", None)   # each environment loads its own libtpu
-  with tempfile.TemporaryDirectory(prefix="tpu_inference_export_") as tmp:
-    path = str(Path(tmp) / "program.jax_exported")
-    _, error = tuning.run_child(__file__, ["--export", key, chip, json.dumps(trunc), path],
-                                timeout=300, env=env, python=VENV / "bin" / "python")
-    if error:
-      raise RuntimeError(f"child (export) {error} ({key} {chip} {trunc})")
-    rows, error = tuning.run_child(__file__, ["--compile-exported", path, chip],
-                                   timeout=anchors.CHILD_TIMEOUT_S, env=env,
-                                   python=NEWER_VENV / "bin" / "python")
-  if error:
-    raise RuntimeError(f"child {error} ({key} {chip} {trunc}, {NEWER_COMPILER})")
-  out = rows[-1]
-  out["wall_s"] = round(time.time() - start, 1)
-  return out
-
-
-# ----------------------------------------------------------------------------------------
 # megablox gmm
 
 
@@ -332,14 +252,21 @@ class GmmSpec(_TpuInference):
             "output; the XLA ops of "
             "make_group_metadata are not rated (the metadata is an input). Tiling: its "
             "get_tuned_block_sizes (config says whether the case has a tuned entry or took "
-            "its default)." + gate)
+            "its default; `tiling` is what gmm runs: tk = k where tk and k do not divide one "
+            "another). A last n tile past the edge (gpt-oss down: n 2880 at tn 2048) is "
+            "counted whole in hbm_bytes, as for jax's megablox anchor." + gate)
 
   def choose(self, chip: str) -> dict:
     c = self.case
     T = kernel_module("megablox.tuned_block_sizes")
     key = (c.m, c.k, c.n_weight, c.groups, c.groups, "bfloat16", self.weight_dtype, c.k)
-    tiling = T.get_tuned_block_sizes(*key)
-    return dict(tiling=list(tiling), tuned_entry=key in T.TUNED_BLOCK_SIZES,
+    picked = T.get_tuned_block_sizes(*key)
+    tm, tk, tn = picked
+    # gmm then takes tk = k (its one quantization block: k // scale blocks, 1 here, with or
+    # without rhs_scale) unless tk and k divide one another (gpt-oss: k 2880, tk 2048 -> 2880).
+    if tk % c.k and c.k % tk:
+      tk = c.k
+    return dict(tiling=[tm, tk, tn], picked=list(picked), tuned_entry=key in T.TUNED_BLOCK_SIZES,
                 m=c.m, k=c.k, n=c.n_weight, groups=c.groups, weight_dtype=self.weight_dtype)
 
   def build(self, trunc, chip: str = "v6e"):
@@ -519,11 +446,9 @@ class RpaV3Spec(_TpuInference):
   token a sequence, pages in order). Its SMEM state carried between iterations (semaphore /
   buffer ids) is left alone (read as 0 by the estimator).
 
-  Compiler: libtpu 0.0.48's estimator aborts on this kernel (`LLO_CHECK ... Expected
-  vector-int16, got vector-int32`, v5e and v6e); the program is lowered by tpu-inference's
-  own jax 0.11.2 (its Mosaic, as served) and compiled and estimated by libtpu 0.0.50.1
-  (`_child_via_export`). 1-byte caches (int8 / fp8): its per-tensor k_scale / v_scale
-  (1.0; it has no per-head scale)."""
+  fp8 cache: its per-tensor k_scale / v_scale (1.0; it has no per-head scale). The plain
+  compile succeeds; libtpu's static estimator aborts on the kernel (docs/performance.md,
+  tpu-inference: what was tried), so its rows are error rows."""
 
   case: object
   chosen: tuple | None = None
@@ -542,13 +467,8 @@ class RpaV3Spec(_TpuInference):
 
   @property
   def implementation(self) -> str:
-    return (f"tpu-inference ragged_paged_attention v3 (tpu-inference {VERSION}, lowered by "
-            f"jax 0.11.2, compiled by {NEWER_COMPILER}, its decode block sizes, "
-            f"static-length variant)")
-
-  def rate(self, chip: str) -> dict:
-    with mock.patch.object(anchors, "_child", _child_via_export):
-      return rate_resolved(self, chip)
+    return (f"tpu-inference ragged_paged_attention v3 (tpu-inference {VERSION}, {STACK}, its "
+            f"decode block sizes, static-length variant)")
 
   @property
   def truncations(self):
@@ -561,8 +481,7 @@ class RpaV3Spec(_TpuInference):
 
   @property
   def method(self) -> str:
-    how = ("static estimate at the full batch (static-length variant: SMEM loop bounds as "
-           f"constants), lowered by jax 0.11.2, compiled by {NEWER_COMPILER}")
+    how = "static estimate at the full batch (static-length variant: SMEM loop bounds as constants)"
     if self.chosen and len(self.truncations) == 2:
       how += (f", rated at contexts {self.truncations[0][0]} and {self.truncations[1][0]} (one "
               f"and two kv blocks) and extrapolated linearly in kv blocks to {self.case.context}")
@@ -852,24 +771,10 @@ def specs() -> list:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  mode = parser.add_mutually_exclusive_group(required=True)
-  mode.add_argument("--choose", nargs=2, metavar=("KEY", "CHIP"),
-                    help="print the config the kernel picks for the case (in the venv)")
-  mode.add_argument("--export", nargs=4, metavar=("KEY", "CHIP", "TRUNC", "PATH"),
-                    help=argparse.SUPPRESS)            # see _child_via_export
-  mode.add_argument("--compile-exported", nargs=2, metavar=("PATH", "CHIP"),
-                    help=argparse.SUPPRESS)
+  parser.add_argument("--choose", nargs=2, metavar=("KEY", "CHIP"), required=True,
+                      help="print the config the kernel picks for the case (in the venv)")
   args = parser.parse_args(argv)
-  if args.compile_exported:
-    if os.environ.get("ANCHOR_STATIC_PROFILE", "1") == "1":
-      tuning.enable_static_profile()   # before jax loads
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    _compile_exported_main(*args.compile_exported)
-    return 0
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  if args.export:
-    _export_main(*args.export)
-    return 0
   key, chip = args.choose
   spec = next(s for s in specs() if s.key == key)
   with stand_ins(chip):
