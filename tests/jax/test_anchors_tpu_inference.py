@@ -1,9 +1,9 @@
 """benchmarks/anchors_tpu_inference.py: tpu-inference 0.32.0's kernels as anchors.
 
-Default profile: the map from cases to specs and their arithmetic (no venv), plus one child in
-.venv-tpu-inference that imports the kernels through the stand-ins and compiles the gmm spec
-for v6e (plain compile), checking its closed form against tpu-inference's own
-make_group_metadata (~15 s). HYPOTHESIS_PROFILE=thorough also compiles the flash and RPA v3
+Default profile: the map from cases to specs and their arithmetic (no venv), plus children in
+.venv-tpu-inference that import the kernels through the stand-ins: one compiles the gmm spec
+for v6e at Qwen3-30B-A3B int8 m=64 (plain compile), checking its closed form against
+tpu-inference's own make_group_metadata, one asks gmm's tiling at gpt-oss-20b (~10 s in all). HYPOTHESIS_PROFILE=thorough also compiles the flash and RPA v3
 specs there (no static profile: the estimates come from `benchmarks/estimate.py`)."""
 
 from __future__ import annotations
