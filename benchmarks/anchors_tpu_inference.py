@@ -23,9 +23,11 @@ answers with the AOT target device.
     against tpu-inference's own make_group_metadata), at its `get_tuned_block_sizes`.
   * `flash_attention` (`FlashSpec`, Attention cases): no GQA (k / v repeated to every head,
     as for jax's flash anchor), no scalar prefetch: rated at 2 and 4 heads, extrapolated.
-  * ragged paged attention v3 (`RpaV3Spec`, PagedDecode cases): grid (1,), loops over the
-    sequences and kv blocks bounded by SMEM values (distribution, kv_lens, cu_q_lens), so they
-    read the batch's values as constants (static-length variant, like anchors.RaggedPagedAnchor).
+  * ragged paged attention v3 (`RpaV3Spec`, PagedDecode cases and the decode-only PagedBatch
+    ones): grid (1,), loops over the sequences and kv blocks bounded by SMEM values
+    (distribution, kv_lens, cu_q_lens), so they read the batch's values as constants
+    (static-length variant, like anchors.RaggedPagedAnchor). The other serving batches say
+    why not (`not_rated_why`).
 
   * fused_moe v1 (`FusedMoeSpec`, experts-layer cases): see there.
 
@@ -224,7 +226,12 @@ class GmmSpec(_TpuInference):
 
   @property
   def closed_form(self) -> anchors.GmmClosedForm:
-    return anchors.GmmClosedForm(self.case.m, self.case.groups, self.tiling[0])
+    """Balanced routing; with fewer rows than experts (Qwen3-30B-A3B at m=64), the first m
+    experts get one row each and the rest none (not visited), as for jax's megablox."""
+    c = self.case
+    if c.active_groups < c.groups:
+      return anchors.GmmClosedForm(c.m, c.active_groups, self.tiling[0], c.groups)
+    return anchors.GmmClosedForm(c.m, c.groups, self.tiling[0])
 
   truncations = anchors.GmmAnchor.truncations
 
@@ -240,17 +247,26 @@ class GmmSpec(_TpuInference):
     gate = (" gate_up: plain matmul to [m, 2 * width]; the gated unit is not fused in this "
             "gmm (tpu-inference fuses it in fused_moe), its extra pass not counted."
             if self.case.part.startswith("gate_up") else "")
-    return ("Balanced routing; rhs in gmm's [G, k, n] layout; bf16 output; the XLA ops of "
+    return ("Balanced routing (m / experts rows each; with fewer rows than experts, m experts "
+            "of one row and the rest empty, not visited); rhs in gmm's [G, k, n] layout; bf16 "
+            "output; the XLA ops of "
             "make_group_metadata are not rated (the metadata is an input). Tiling: its "
             "get_tuned_block_sizes (config says whether the case has a tuned entry or took "
-            "its default)." + gate)
+            "its default; `tiling` is what gmm runs: tk = k where tk and k do not divide one "
+            "another). A last n tile past the edge (gpt-oss down: n 2880 at tn 2048) is "
+            "counted whole in hbm_bytes, as for jax's megablox anchor." + gate)
 
   def choose(self, chip: str) -> dict:
     c = self.case
     T = kernel_module("megablox.tuned_block_sizes")
     key = (c.m, c.k, c.n_weight, c.groups, c.groups, "bfloat16", self.weight_dtype, c.k)
-    tiling = T.get_tuned_block_sizes(*key)
-    return dict(tiling=list(tiling), tuned_entry=key in T.TUNED_BLOCK_SIZES,
+    picked = T.get_tuned_block_sizes(*key)
+    tm, tk, tn = picked
+    # gmm then takes tk = k (its one quantization block: k // scale blocks, 1 here, with or
+    # without rhs_scale) unless tk and k divide one another (gpt-oss: k 2880, tk 2048 -> 2880).
+    if tk % c.k and c.k % tk:
+      tk = c.k
+    return dict(tiling=[tm, tk, tn], picked=list(picked), tuned_entry=key in T.TUNED_BLOCK_SIZES,
                 m=c.m, k=c.k, n=c.n_weight, groups=c.groups, weight_dtype=self.weight_dtype)
 
   def build(self, trunc, chip: str = "v6e"):
@@ -420,21 +436,34 @@ class FlashSpec(_TpuInference):
 
 @dataclasses.dataclass(frozen=True)
 class RpaV3Spec(_TpuInference):
-  """The decode batch as RPA v3 sees it: `batch` sequences of one query token and `context`
-  cached tokens (distribution = (batch, batch, batch): all decode; its mixed kernel runs over
-  an empty range). Its kernel has grid (1,) and loops over the sequences (pl.loop between SMEM
-  values of `distribution`) and each sequence's kv blocks (up to cdiv(kv_lens[s], bkv_sz)),
-  which the estimator reads as 0; here those reads are constants of the batch ("const":
-  distribution -> batch, kv_lens -> context); cu_q_lens[i] and page-table reads yield
-  max(value, i) (the batch's values: one token a sequence, pages in order). Its SMEM state carried between iterations (semaphore / buffer ids) is
-  left alone (read as 0 by the estimator)."""
+  """A decode batch as RPA v3 sees it (a PagedDecode case, or a PagedBatch with no prefill
+  chunks): `batch` sequences of one query token and `context` cached tokens (distribution =
+  (batch, batch, batch): all decode; its mixed kernel runs over an empty range). Its kernel
+  has grid (1,) and loops over the sequences (pl.loop between SMEM values of `distribution`)
+  and each sequence's kv blocks (up to cdiv(kv_lens[s], bkv_sz)), which the estimator reads
+  as 0; here those reads are constants of the batch ("const": distribution -> batch, kv_lens
+  -> context); cu_q_lens[i] and page-table reads yield max(value, i) (the batch's values: one
+  token a sequence, pages in order). Its SMEM state carried between iterations (semaphore /
+  buffer ids) is left alone (read as 0 by the estimator).
 
-  case: headline.PagedDecode
+  fp8 cache: its per-tensor k_scale / v_scale (1.0; it has no per-head scale). The plain
+  compile succeeds; libtpu's static estimator aborts on the kernel (docs/performance.md,
+  tpu-inference: what was tried), so its rows are error rows."""
+
+  case: object
   chosen: tuple | None = None
 
   @property
   def key(self) -> str:
     return f"tpu-inference-rpa-v3:{self.case.name}"
+
+  @property
+  def batch(self) -> int:
+    return getattr(self.case, "batch", None) or self.case.decode
+
+  @property
+  def kv_dtype(self) -> str:
+    return self.case.kv_dtype
 
   @property
   def implementation(self) -> str:
@@ -460,21 +489,24 @@ class RpaV3Spec(_TpuInference):
 
   @property
   def note(self) -> str:
+    scale = (f" {self.kv_dtype} cache with its per-tensor k_scale / v_scale (1.0)."
+             if self.kv_dtype != "bfloat16" else "")
     return ("Static-length variant (see RpaV3Spec). update_kv_cache=False: it attends to the "
             "cached tokens without writing this step's K/V (its fused cache write, as served, "
             "adds 2*B*Hkv*D*2 bytes). K/V in its fused [pages, page, 2*Hkv/packing, packing, "
             "D] layout. Block sizes: ragged_paged_attention's decode default "
             "(get_default_block_sizes; its 4,463-line tuned table is only read by the hd64 "
             "variant in 0.32.0, and vLLM passes none unless RPA_V3_DECODE_BLOCK_SIZES is set); "
-            "vmem_limit_bytes its default (the chip's VMEM capacity)")
+            "vmem_limit_bytes its default (the chip's VMEM capacity)." + scale)
 
   def choose(self, chip: str) -> dict:
     import jax.numpy as jnp
     K = kernel_module("ragged_paged_attention.v3.kernel")
     c = self.case
-    sizes = K.get_default_block_sizes(jnp.bfloat16, jnp.bfloat16, c.q_heads, c.kv_heads,
-                                      c.head_dim, c.page_size, c.batch, c.batch,
-                                      c.context // c.page_size, case=K.RpaCase.DECODE)
+    sizes = K.get_default_block_sizes(jnp.bfloat16, jnp.dtype(self.kv_dtype), c.q_heads,
+                                      c.kv_heads, c.head_dim, c.page_size, self.batch,
+                                      self.batch, c.context // c.page_size,
+                                      case=K.RpaCase.DECODE)
     return dict(d_block_sizes=[sizes[k] for k in ("bq_sz", "bkv_sz", "bq_csz", "bkv_csz")],
                 page_size=c.page_size)
 
@@ -482,6 +514,8 @@ class RpaV3Spec(_TpuInference):
     c = self.case
     if c.context % c.page_size:
       raise ValueError("the static kv lengths assume whole pages")
+    if getattr(c, "prefill", 0) or getattr(c, "sliding_window", None) is not None:
+      raise ValueError("decode batches without a window only")
 
   def kv_blocks(self, context: int | None = None) -> int:
     c = self.case
@@ -496,27 +530,29 @@ class RpaV3Spec(_TpuInference):
     self.validate_shapes()
     K = kernel_module("ragged_paged_attention.v3.kernel")
     chosen = self.config_for(chip)
-    c = self.case
+    c, batch = self.case, self.batch
     pages_per_seq = context // c.page_size
     # Loop bounds (kv_lens, distribution) as constants; cu_q_lens as max(value, i): a constant
     # would make the never-taken prefetch of sequence `batch` a static out-of-bounds slice.
     forms = (("const", lambda s: np.int32(context)), lambda i: i, lambda i: i,
-             ("const", lambda i: np.int32(c.batch)), None, None, None)
-    kv_cache_shape = K.get_kv_cache_shape(c.batch * pages_per_seq, c.page_size, c.kv_heads,
-                                          c.head_dim, jnp.bfloat16)
+             ("const", lambda i: np.int32(batch)), None, None, None)
+    kv_dtype = jnp.dtype(self.kv_dtype)
+    kv_cache_shape = K.get_kv_cache_shape(batch * pages_per_seq, c.page_size, c.kv_heads,
+                                          c.head_dim, kv_dtype)
+    scales = {} if self.kv_dtype == "bfloat16" else dict(k_scale=1.0, v_scale=1.0)
 
     def fn(q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution):
       with anchors.visible_prefetch(K, forms):
         return K.ragged_paged_attention(
             q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
             sm_scale=c.head_dim ** -0.5, update_kv_cache=False,
-            d_block_sizes=tuple(chosen["d_block_sizes"]))
+            d_block_sizes=tuple(chosen["d_block_sizes"]), **scales)
     S = jax.ShapeDtypeStruct
-    return fn, [S((c.batch, c.q_heads, c.head_dim), jnp.bfloat16),
-                S((c.batch, c.kv_heads, c.head_dim), jnp.bfloat16),
-                S((c.batch, c.kv_heads, c.head_dim), jnp.bfloat16),
-                S(kv_cache_shape, jnp.bfloat16), S((c.batch,), jnp.int32),
-                S((c.batch * pages_per_seq,), jnp.int32), S((c.batch + 1,), jnp.int32),
+    return fn, [S((batch, c.q_heads, c.head_dim), jnp.bfloat16),
+                S((batch, c.kv_heads, c.head_dim), kv_dtype),
+                S((batch, c.kv_heads, c.head_dim), kv_dtype),
+                S(kv_cache_shape, kv_dtype), S((batch,), jnp.int32),
+                S((batch * pages_per_seq,), jnp.int32), S((batch + 1,), jnp.int32),
                 S((3,), jnp.int32)]
 
   def extrapolate(self, cycles: dict) -> float:
@@ -529,9 +565,9 @@ class RpaV3Spec(_TpuInference):
   def hbm_bytes(self) -> int:
     """Each sequence's K/V pages once (whole kv blocks); q read and o written once."""
     c = self.case
-    kv = 2 * c.batch * c.kv_heads * self.kv_blocks() * self.get("d_block_sizes")[1] \
-        * c.head_dim * 2
-    return kv + 2 * c.batch * c.q_heads * c.head_dim * 2
+    kv = 2 * self.batch * c.kv_heads * self.kv_blocks() * self.get("d_block_sizes")[1] \
+        * c.head_dim * headline.ITEMSIZE[self.kv_dtype]
+    return kv + 2 * self.batch * c.q_heads * c.head_dim * 2
 
   def hand(self, chip) -> dict:
     return dict(hand_us=self.hbm_bytes() / chip.hbm_bytes_per_s * 1e6,
@@ -694,6 +730,22 @@ NOT_RATED = {
 }
 
 
+def not_rated_why(case) -> str | None:
+  """Why a case of a kind tpu-inference has a kernel for gets no row (None: it gets one)."""
+  if isinstance(case, headline.PagedBatch):
+    if case.kv_dtype == "int8":
+      return ("RPA v3 refuses an int8 cache (static_validate_inputs: 'Expected "
+              "kv_cache.dtype=int8 to be a floating point'); its 1-byte cache is fp8")
+    if case.prefill:
+      return ("mixed batch (decode + chunked prefill): not expressed yet (its mixed kernel "
+              "loops over q blocks of SMEM-dependent length)")
+    if case.sliding_window is not None:
+      return ("sliding window: not expressed yet (its first kv block per sequence is "
+              "(kv_len - q_len - window) // bkv_sz, a run-time signed division, the pattern "
+              "the estimator is known to read as 0: it would rate the whole context)")
+  return None
+
+
 def specs_for(case) -> list:
   """The tpu-inference specs rated on `case` (by its class; [] if none applies)."""
   if isinstance(case, headline.GroupedMatmul):
@@ -702,6 +754,8 @@ def specs_for(case) -> list:
     return [FlashSpec(case)]
   if isinstance(case, headline.PagedDecode):
     return [RpaV3Spec(case)]
+  if isinstance(case, headline.PagedBatch):
+    return [] if not_rated_why(case) else [RpaV3Spec(case)]
   if all(hasattr(case, a) for a in EXPERTS_LAYER_FIELDS):   # the whole experts layer
     return [FusedMoeSpec(case)]
   return []

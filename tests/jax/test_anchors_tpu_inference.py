@@ -1,9 +1,9 @@
 """benchmarks/anchors_tpu_inference.py: tpu-inference 0.32.0's kernels as anchors.
 
-Default profile: the map from cases to specs and their arithmetic (no venv), plus one child in
-.venv-tpu-inference that imports the kernels through the stand-ins and compiles the gmm spec
-for v6e (plain compile), checking its closed form against tpu-inference's own
-make_group_metadata (~15 s). HYPOTHESIS_PROFILE=thorough also compiles the flash and RPA v3
+Default profile: the map from cases to specs and their arithmetic (no venv), plus children in
+.venv-tpu-inference that import the kernels through the stand-ins: one compiles the gmm spec
+for v6e at Qwen3-30B-A3B int8 m=64 (plain compile), checking its closed form against
+tpu-inference's own make_group_metadata, one asks gmm's tiling at gpt-oss-20b (~10 s in all). HYPOTHESIS_PROFILE=thorough also compiles the flash and RPA v3
 specs there (no static profile: the estimates come from `benchmarks/estimate.py`)."""
 
 from __future__ import annotations
@@ -79,6 +79,28 @@ def test_gmm_spec_int8_weights_bytes():
   assert bf16.hbm_bytes() - int8.hbm_bytes() == tiles * 768 * 2048 * 1 - tiles * 2048 * 4
 
 
+def test_gmm_spec_at_fewer_rows_than_experts():
+  """Qwen3-30B-A3B at m=64 (128 experts): 64 experts of one row, 64 empty and not visited,
+  as jax's megablox anchor assumes (same closed form, same bytes)."""
+  case = headline.GroupedMatmul.of("Qwen3-30B-A3B", 64, "down")
+  config = T._frozen(dict(tiling=[64, 768, 2048]))
+  spec = T.GmmSpec(case, config)
+  cf = spec.closed_form
+  assert (cf.groups, cf.total_groups, cf.num_tiles) == (64, 128, 64)
+  assert [cf.group_id(v) for v in range(64)] == list(range(64))
+  assert {cf.m_tile_id(v) for v in range(64)} == {0}
+  twin = anchors.GmmAnchor(64, "down", "64x768x2048")
+  assert twin.case == case and twin.closed_form == cf
+  assert spec.hbm_bytes() == twin.hbm_bytes()
+  # one lhs / out tile, 64 experts' weights once each
+  assert spec.hbm_bytes() == 64 * 768 * 2 + 64 * 768 * 2048 * 2 + 64 * 2048 * 2
+  every = [s for c in headline.QUANTIZED_DECODE for s in T.specs_for(c)]
+  assert len(every) == len(headline.QUANTIZED_DECODE)
+  for s in every:   # every quantized-decode case has a closed form at its default tm
+    tm = min(s.case.m, 128)
+    T.GmmSpec(s.case, T._frozen(dict(tiling=[tm, 128, 128]))).closed_form.num_tiles
+
+
 def test_gmm_spec_is_jax_megablox_at_its_tiling():
   """The same algorithm and index maps as jax's megablox: bytes and extrapolation are its."""
   case = headline.GroupedMatmul(512, "down")
@@ -130,6 +152,22 @@ def test_rpa_v3_truncations_extrapolation_and_bytes():
       d_block_sizes=[1, 4096, 1, 4096]))).truncations] == [4096, 8192]
 
 
+def test_rpa_v3_on_serving_decode_batches():
+  """Decode-only serving batches get RPA v3 rows (an fp8 cache at 1 byte an element); int8
+  caches, mixed batches and windows say why not."""
+  rated = {c.name: T.specs_for(c) for c in headline.SERVING_PAGED}
+  for c in headline.SERVING_PAGED:
+    why = T.not_rated_why(c)
+    assert bool(why) == (c.kv_dtype == "int8" or c.prefill > 0 or c.sliding_window is not None)
+    assert bool(rated[c.name]) == (why is None)
+  fp8 = headline.PagedBatch(kv_dtype="float8_e4m3fn")
+  (spec,) = T.specs_for(fp8)
+  spec = T.RpaV3Spec(fp8, T._frozen(dict(d_block_sizes=[1, 2048, 1, 2048], page_size=64)))
+  assert spec.batch == 64 and "k_scale" in spec.note
+  assert spec.hbm_bytes() == fp8.min_bytes()     # whole pages, one block: exactly the roofline's
+  assert spec.truncations == ([2048],)
+
+
 def _compiles_in_the_venv(spec, trunc_of) -> dict:
   assert T.VENV.exists(), "scripts/setup.sh makes .venv-tpu-inference"
   resolved = T.resolved(spec, "v6e")     # the kernel's own choice, asked in the venv
@@ -138,10 +176,16 @@ def _compiles_in_the_venv(spec, trunc_of) -> dict:
 
 def test_gmm_spec_compiles_in_its_venv_and_its_closed_form_holds():
   """Imports tpu-inference's megablox through the stand-ins, checks the closed form against
-  its make_group_metadata (in `build`), compiles for v6e: one Mosaic kernel."""
-  spec = T.specs_for(headline.GroupedMatmul(512, "down"))[0]
+  its make_group_metadata (in `build`), compiles for v6e: one Mosaic kernel. At Qwen3-30B-A3B
+  int8 m=64: fewer rows than experts (64 of 128 groups empty) and its rhs_scale path."""
+  spec = T.specs_for(headline.GroupedMatmul.of("Qwen3-30B-A3B", 64, "down", "int8"))[0]
   out = _compiles_in_the_venv(spec, lambda s: [2])
   assert out["kernels"] == 1
+  # gpt-oss: its default tk 2048 does not divide k = 2880, so gmm runs tk = k (the tiling
+  # the bytes are replayed at); its tm is 2 * m / experts rounded up to 128, then cut to m.
+  (oss,) = T.specs_for(headline.GroupedMatmul.of("gpt-oss-20b", 64, "down", "int8"))
+  config = dict(T.resolved(oss, "v6e").chosen)
+  assert list(config["picked"]) == [64, 2048, 2048] and list(config["tiling"]) == [64, 2880, 2048]
 
 
 @pytest.mark.skipif(not THOROUGH, reason="thorough profile only (~30 s of compiles)")
@@ -152,3 +196,4 @@ def test_flash_and_rpa_v3_specs_compile_in_their_venv(case, kernels):
   (spec,) = T.specs_for(case)
   out = _compiles_in_the_venv(spec, lambda s: s.truncations[0])
   assert out["kernels"] == kernels
+
