@@ -1631,7 +1631,7 @@ def _specs_list():
 
 
 # jax's megablox gmm has no quantized path (bf16 / f32 operands only): beside the quantized
-# rows only tokamax's ragged_dot is rated (tpu-inference's quantized MoE is added later).
+# rows only tokamax's ragged_dot is rated (tpu-inference's quantized gmm: anchors_tpu_inference.py).
 # One tiling each: the large one, the faster of the two tilings at every bf16 headline row.
 # tokamax's heuristic config (128x128x128) at Qwen3-30B-A3B gate_up int8 m=64 rated
 # 6,408 µs on v5e (vs 338 µs at the large tiling) and aborts the estimator on v6e
