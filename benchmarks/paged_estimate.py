@@ -8,10 +8,14 @@ libtpu's estimator reads every SMEM value as 0: lengths and page ids of a paged 
 would all look empty. So the kernel is built through its internal `_call` with
 `item_floors`: every per-item value is read as max(value, floor), the floors being the
 batch's own values (all sequences at the same length, one new token each), so the
-estimator sees the real trip counts. The page ids stay 0: every page slot keeps the
-same block index, so the estimator sees no DMA, and its cycles are the kernel's compute
-and step overhead. HBM is then counted by hand (each item reads each of its pages once
-per KV head: exact for this kernel, whose page slots never re-read a page) and
+estimator sees the real trip counts. The page ids stay 0. With one BlockSpec per page
+slot every slot then keeps the same block index, so the estimator sees no DMA, and its
+cycles are the kernel's compute and step overhead; with the pages fetched by hand
+(`manual_fetch`, the default) it sees every page's copy issued and waited for (all from
+page 0: the same bytes), so its cycles include the copies' bookkeeping and any wait it
+models. Either way its DMA model does not cap HBM bandwidth, so HBM is counted by hand
+(each item reads each of its pages once per KV head: exact for this kernel, whose page
+slots never re-read a page) and
 
     predicted_us = max(cycles / clock, hbm_bytes / hbm_bandwidth)
 
@@ -52,23 +56,28 @@ TRUNCATED_BATCHES = (2, 4)
 MAX_RATED_CONTEXT = 4096   # longer contexts: extrapolated per kv step (the estimator is slow)
 
 
-def kernel_program(case: PagedDecode, chip: str, batch: int, block_kv: int | None):
-  """(fn, specs, tiling) of the kernel alone for `batch` sequences of the case."""
+def kernel_program(case: PagedDecode, chip: str, batch: int, block_kv: int | None,
+                   manual_fetch: bool | None = None):
+  """(fn, specs, tiling) of the kernel alone for `batch` sequences of the case
+  (manual_fetch: the kernel's page fetch, None for its default)."""
   group = case.q_heads // case.kv_heads
   pages_per_seq = -(-case.context // case.page_size)
   t = PA.paged_tiling(case.batch, case.batch, pages_per_seq, case.page_size, case.head_dim,
                       num_kv_heads=case.kv_heads, group=group, q_dtype=jnp.dtype(case.q_dtype),
-                      kv_dtype=jnp.dtype(case.kv_dtype), chip=chip, block_kv=block_kv)
+                      kv_dtype=jnp.dtype(case.kv_dtype), chip=chip, block_kv=block_kv,
+                      manual_fetch=manual_fetch)
   last_key = case.context - 1
   floors = dict(rows=1, q_pos=last_key, kv_len=case.context, first_block=0,
-                last_block=last_key // t.block_kv)
+                last_block=last_key // t.block_kv, first_page=0,
+                last_page=last_key // case.page_size)
   quantized = jnp.dtype(case.kv_dtype) in PA.QUANTIZED_DTYPES
   st = PA._Static(sm_scale=1.0 / case.head_dim ** 0.5, soft_cap=None, sliding_window=None,
                   has_sinks=False, quantized=quantized, block_q=1, block_kv=t.block_kv,
                   page_size=case.page_size, pages_per_block=t.pages_per_block,
                   pages_per_seq=pages_per_seq, num_kv_heads=case.kv_heads, rows=t.rows,
                   group=group, vmem_limit_bytes=t.vmem_limit_bytes, interpret=False,
-                  item_floors=tuple(floors[f] for f in PA._ITEM_FIELDS))
+                  item_floors=tuple(floors[f] for f in PA._ITEM_FIELDS),
+                  manual_fetch=t.manual_fetch)
   fn, specs = _kernel_call(case, t, st, batch, pages_per_seq,
                            PA._kv_steps(pages_per_seq, t.pages_per_block))
   return fn, specs, t
@@ -93,10 +102,11 @@ def _kernel_call(case, t: PA.Tiling, st, batch: int, pages_per_seq: int, kv_step
   return fn, specs
 
 
-def _rated_cycles(case: PagedDecode, chip: str, block_kv: int | None):
+def _rated_cycles(case: PagedDecode, chip: str, block_kv: int | None,
+                  manual_fetch: bool | None = None):
   """Kernel cycles of the case, from truncated batches (and contexts): (cycles, tiling, how)."""
   def rate(c: PagedDecode, batch: int):
-    fn, specs, t = kernel_program(c, chip, batch, block_kv)
+    fn, specs, t = kernel_program(c, chip, batch, block_kv, manual_fetch)
     report = aot.compile_for_chip(fn, specs, chip)
     if not report.ok:
       raise RuntimeError(f"{c.name} (batch {batch}) on {chip}: {report.error}")
@@ -114,7 +124,7 @@ def _rated_cycles(case: PagedDecode, chip: str, block_kv: int | None):
     return fixed + per_seq * case.batch, t, how, rated
   # Long contexts: the per-sequence cycles at two shorter contexts with the same tiling,
   # extrapolated linearly in kv steps (each kv step of a decode item is the same work).
-  t = kernel_program(case, chip, 1, block_kv)[2]
+  t = kernel_program(case, chip, 1, block_kv, manual_fetch)[2]
   contexts = (MAX_RATED_CONTEXT // 2, MAX_RATED_CONTEXT)
   points = [per_sequence(dataclasses.replace(case, context=ctx)) for ctx in contexts]
   steps = [-(-ctx // pt[2].block_kv) for ctx, pt in zip(contexts, points)]
@@ -129,9 +139,10 @@ def _rated_cycles(case: PagedDecode, chip: str, block_kv: int | None):
   return points[1][0] + per_seq * case.batch, t, how, rated
 
 
-def estimate(case: PagedDecode, chip: str, block_kv: int | None = None) -> dict:
+def estimate(case: PagedDecode, chip: str, block_kv: int | None = None,
+             manual_fetch: bool | None = None) -> dict:
   chip_ = chips.get_chip(chip)
-  total, t, how, rated = _rated_cycles(case, chip, block_kv)
+  total, t, how, rated = _rated_cycles(case, chip, block_kv, manual_fetch)
   compute_us = total / chip_.clock_hz * 1e6
   # Each item reads each of its pages once per KV head: the roofline's own bytes.
   hbm_bytes = case.min_bytes()
@@ -140,7 +151,7 @@ def estimate(case: PagedDecode, chip: str, block_kv: int | None = None) -> dict:
   predicted_us = max(compute_us, hbm_us)
   return dict(kernel="paged-attention-tpu", name=case.name, chip=chip,
               block_kv=t.block_kv, pages_per_block=t.pages_per_block,
-              truncated_cycles=rated, method="static estimate, " + how,
+              manual_fetch=t.manual_fetch, truncated_cycles=rated, method="static estimate, " + how,
               estimated_cycles=int(total), compute_us=compute_us, hbm_bytes=hbm_bytes,
               hbm_us=hbm_us, predicted_us=predicted_us, roofline_us=roofline_us,
               efficiency=roofline_us / predicted_us)
@@ -208,7 +219,11 @@ def item_classes(case: PagedBatch, t: PA.Tiling, items: dict) -> list[tuple[tupl
     whole = tuple(b * t.block_kv + t.block_kv - 1 <= v["q_pos"]
                   and (w is None or b * t.block_kv > last_key - w)
                   for b in range(v["first_block"], v["last_block"] + 1))
-    key = (v["rows"] > 0, v["first_block"], v["last_block"], whole)
+    # Hand-fetched pages: the first and last blocks copy only the item's pages in them.
+    n = t.pages_per_block
+    pages = (v["first_page"] - v["first_block"] * n, v["last_page"] - v["last_block"] * n)
+    key = (v["rows"] > 0, v["first_block"], v["last_block"], whole,
+           pages if t.manual_fetch else None)
     entry = classes.setdefault(key, [tuple(v[f] for f in PA._ITEM_FIELDS), 0])
     entry[1] += 1
   return [(floors, count) for floors, count in classes.values()]
@@ -226,23 +241,28 @@ def batch_kernel_program(case: PagedBatch, t: PA.Tiling, floors: tuple, batch: i
                   num_kv_heads=case.kv_heads, rows=t.rows, group=group,
                   vmem_limit_bytes=t.vmem_limit_bytes, interpret=False,
                   item_floors=tuple(int(f) for f in floors),
-                  small_rows=PA.small_rows(t, group, jnp.dtype(case.q_dtype)))
+                  small_rows=PA.small_rows(t, group, jnp.dtype(case.q_dtype)),
+                  manual_fetch=t.manual_fetch)
   return _kernel_call(case, t, st, batch, pages_per_seq,
                       PA._grid_steps(pages_per_seq, t.pages_per_block, case.page_size,
                                      t.block_q, case.sliding_window))
 
 
-def batch_hbm_bytes(case: PagedBatch, t: PA.Tiling, slot_pages) -> int:
-  """Bytes the kernel moves: a page slot fetches its page whenever its page id differs from
-  the previous grid step's (Pallas skips unchanged blocks), K and V alike; every item's q
-  block read and out block written once (R rows per KV head, padding included)."""
-  import numpy as np
+def batch_hbm_bytes(case: PagedBatch, t: PA.Tiling, slot_pages, items: dict) -> int:
+  """Bytes the kernel moves: K and V alike, with pages fetched by hand each page of
+  [first_page, last_page] of a non-empty item once; with a BlockSpec per page slot, a
+  slot fetches its page whenever its page id differs from the previous grid step's
+  (Pallas skips unchanged blocks). Plus every item's q block read and out block written
+  once (R rows per KV head, padding included)."""
   page_bytes = case.kv_heads * case.page_size * case.head_dim * ITEMSIZE[case.kv_dtype]
-  per_step = slot_pages.reshape(-1, t.pages_per_block)          # grid steps in order
-  fetches = 1 + (per_step[1:] != per_step[:-1]).sum(axis=0)     # per slot
+  if t.manual_fetch:
+    fetched = ((items["last_page"] - items["first_page"] + 1) * (items["rows"] > 0)).sum()
+  else:
+    per_step = slot_pages.reshape(-1, t.pages_per_block)          # grid steps in order
+    fetched = (1 + (per_step[1:] != per_step[:-1]).sum(axis=0)).sum()   # over slots
   num_items = slot_pages.shape[0]
   q_block = case.kv_heads * t.rows * case.head_dim * ITEMSIZE[case.q_dtype]
-  return int(2 * fetches.sum() * page_bytes + 2 * num_items * q_block)
+  return int(2 * fetched * page_bytes + 2 * num_items * q_block)
 
 
 def estimate_batch(case: PagedBatch, chip: str, block_kv: int | None = None,
@@ -269,7 +289,7 @@ def estimate_batch(case: PagedBatch, chip: str, block_kv: int | None = None,
                       cycles={str(b0): cycles[0], str(b1): cycles[1]}, per_item=per_item))
   total += max(fixed)[1]    # one launch: the fixed part of the most numerous class
   compute_us = total / chip_.clock_hz * 1e6
-  hbm_bytes = batch_hbm_bytes(case, t, tables["slot_pages"])
+  hbm_bytes = batch_hbm_bytes(case, t, tables["slot_pages"], tables["items"])
   hbm_us = hbm_bytes / chip_.hbm_bytes_per_s * 1e6
   predicted_us = max(compute_us, hbm_us)
   roofline_us = max(case.flops() / chip_.bf16_flops_per_s * 1e6,
@@ -277,7 +297,7 @@ def estimate_batch(case: PagedBatch, chip: str, block_kv: int | None = None,
   how = (f"{len(tables['items']['rows'])} work items in {len(classes)} classes (items that "
          f"run the same blocks the same way), each class rated as a uniform batch at "
          f"{TRUNCATED_BATCHES} items and extrapolated to its count; HBM by replaying the "
-         f"kernel's slot table")
+         f"kernel's " + ("page fetches" if t.manual_fetch else "slot table"))
   return dict(kernel="paged-attention-tpu", name=case.name, chip=chip, block_q=t.block_q,
               block_kv=t.block_kv, pages_per_block=t.pages_per_block, classes=rated,
               method="static estimate, " + how, estimated_cycles=int(total),
@@ -307,11 +327,15 @@ def main(argv=None) -> int:
   p.add_argument("--page-size", type=int, default=64)
   p.add_argument("--kv-dtype", default="bfloat16")
   p.add_argument("--block-kv", type=int, nargs="*", default=[None])
+  p.add_argument("--fetch", choices=("default", "manual", "blockspec"), default="default",
+                 help="the kernel's page fetch: by hand, one BlockSpec per page slot, or "
+                      "its default for the page size")
   a = p.parse_args(argv)
+  manual_fetch = {"default": None, "manual": True, "blockspec": False}[a.fetch]
   case = PagedDecode(a.context, a.batch, a.heads[0], a.heads[1], a.head_dim, a.page_size,
                      a.kv_dtype)
   for block_kv in a.block_kv:
-    print(json.dumps(estimate(case, a.chip, block_kv)), flush=True)
+    print(json.dumps(estimate(case, a.chip, block_kv, manual_fetch)), flush=True)
   return 0
 
 

@@ -39,29 +39,45 @@ item with few tokens uses only the first rows of each head's R: when block_q > 1
 item's tokens fit the first `small_rows` rows (G sublane-padded: a decode sequence in a
 batch mixed with prefill chunks), the body runs on those rows only, not on all R.
 
-Grid (items, kv steps): kv step t of an item reads pages_per_block pages, one BlockSpec
-per page slot, each block one page of all KV heads (the cache viewed, for free, as
-[num_pages, Hkv * page_size, D]), and Pallas double-buffers them like any block. Every
+Grid (items, kv steps): kv step t of an item reads pages_per_block pages, each one page
+of all KV heads (the cache viewed, for free, as [num_pages, Hkv * page_size, D]). Every
 slot's page id is worked out in XLA beforehand (`_slot_pages`, below) and
-scalar-prefetched as slot_pages [items, steps * pages_per_block], so an index map is one
-SMEM read: `slot_pages[item, t * pages_per_block + i]`. (Index maps run for every slot
-at every step, twice; with the page lookup and the clamps below done in them instead,
-they were over half of libtpu's estimated cycles per step at 16 pages per step on v6e.)
-The body loops over the KV heads; online softmax over the steps, with f32 running max /
-sum (lane-replicated) and accumulator in VMEM. Every block is 2-D (libtpu's static
+scalar-prefetched as slot_pages [items, steps * pages_per_block]: the page of slot i at
+step t is one SMEM read, `slot_pages[item, t * pages_per_block + i]`. The body loops
+over the KV heads; online softmax over the steps, with f32 running max / sum
+(lane-replicated) and accumulator in VMEM. Every block is 2-D (libtpu's static
 estimator rates kernels with 3-D blocks at 0 cycles).
+
+Page fetch (manual_fetch, the default at every page size). The caches stay in HBM
+(memory_space ANY); the kernel copies each step's pages itself, one async copy per page
+and per K / V, into a VMEM double buffer [2, pages_per_block, Hkv * page_size, D], one
+DMA semaphore per buffer and K / V. Grid step g computes from buffer g % 2 while the next
+grid step's pages (the item's next block, or the next item's first block on its last
+step) stream into the other, so the grid runs in order ("arbitrary" on both axes: on
+two-core chips the items are not split across cores). Only the pages of an item's
+[first_page, last_page] are copied: a block wholly inside that range issues its copies
+straight, the item's first and last blocks test each page; a step past the item's last
+block copies nothing. Buffer slots left uncopied hold stale or garbage VMEM, always at
+keys outside [first key, last key], which the body masks by select (below). With
+manual_fetch=False each page slot is instead its own BlockSpec whose index map reads
+slot_pages, and Pallas double-buffers them like any block: index maps run for every slot
+at every step, twice, and the per-block bookkeeping came to about 150-190 estimated
+cycles per page on v6e, whatever block_kv: 739 µs against 312 µs fetched by hand at page
+16 for a 64 x 2k decode step (libtpu's static estimates, benchmarks/paged_estimate.py).
 
 Skipping. Each item needs only the keys from its first query's window start (0 without
 a window) to its last query's position. Steps past that range repeat the last block's
-page ids, so Pallas issues no DMA for them and the body is skipped; pages before the
-window are never read. In the last block, a page slot past the item's last page keeps
-the page it held one step earlier (again no DMA; on the item's first block it takes the
-last page). So the page table's unused entries, which may hold anything, are never
-read, and only the item's pages cross HBM (plus, at most, repeats within a first block).
-Keys in slots that hold a repeated page are masked by position.
+page ids (with BlockSpecs Pallas then issues no DMA; by hand nothing is copied) and the
+body is skipped; pages before the window are never read. In the last block, a page slot
+past the item's last page keeps the page it held one step earlier (again no DMA; on the
+item's first block it takes the last page). So the page table's unused entries, which
+may hold anything, are never read, and only the item's pages cross HBM (with BlockSpecs,
+plus at most repeats within a first block). Every page id is clamped into the cache.
+Keys in slots that hold a repeated (or, fetched by hand, an uncopied) page are masked by
+position.
 
 SMEM. The per-item tables and slot_pages are scalar-prefetched: steps * pages_per_block
-(pages_per_seq rounded up to whole blocks) + 5 words per item. At long contexts and big
+(pages_per_seq rounded up to whole blocks) + 7 words per item. At long contexts and big
 batches that overflows SMEM (1 MiB), so the items are split into chunks of at most
 `items_per_call` items, and one kernel runs once per chunk (`lax.map`), with
 items_per_call set from the chip's SMEM budget.
@@ -107,12 +123,15 @@ _NN = common.NN
 _INT8_MAX = 127.0
 _FP8_E4M3_MAX = 448.0
 # Per-item int32 tables scalar-prefetched next to slot_pages (see _work_items).
-_ITEM_FIELDS = ("rows", "q_pos", "kv_len", "first_block", "last_block")
+_ITEM_FIELDS = ("rows", "q_pos", "kv_len", "first_block", "last_block", "first_page",
+                "last_page")
 # More BlockSpecs per step lengthen compiles for no gain once a step moves enough bytes.
 _MAX_PAGES_PER_BLOCK = 64
 _BLOCK_KV_CANDIDATES = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
 # KV heads per step up to this are unrolled (straight-line code); more run as a loop.
 _UNROLL_HEADS = 8
+# Page sizes up to this fetch their pages by hand (module docstring, "Page fetch").
+MANUAL_FETCH_MAX_PAGE_SIZE = 256
 
 
 # ----------------------------------------------------------------------------- tiling
@@ -128,6 +147,7 @@ class Tiling:
   vmem_limit_bytes: int
   vmem_plan_bytes: int    # what the tiling plans to keep in VMEM
   smem_plan_words: int    # scalar-prefetched words per call
+  manual_fetch: bool = False   # pages copied by hand from HBM (see "Page fetch")
 
 
 def _plan_bytes(rows, block_kv, num_kv_heads, head_dim, q_itemsize, kv_itemsize):
@@ -200,7 +220,8 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
                  head_dim: int, *, num_kv_heads: int, group: int, q_dtype, kv_dtype,
                  chip: str = chips.DEFAULT_CHIP, block_q: int | None = None,
                  block_kv: int | None = None, items_per_call: int | None = None,
-                 vmem_limit_bytes: int | None = None) -> Tiling:
+                 vmem_limit_bytes: int | None = None,
+                 manual_fetch: bool | None = None) -> Tiling:
   """Tiles for one call shape from the chip's VMEM and SMEM budgets.
 
   block_q: about the mean new tokens per sequence (1 for decode), see _default_block_q.
@@ -209,9 +230,12 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
   candidate (a multiple of page_size, at most 64 pages, no longer than a sequence's
   pages) whose plan fits the VMEM budget. items_per_call: all items when their tables
   fit the SMEM budget, else as many as fit (an explicit items_per_call may only lower
-  that).
+  that). manual_fetch: pages copied by hand (module docstring, "Page fetch"); default:
+  for page sizes up to MANUAL_FETCH_MAX_PAGE_SIZE.
   """
   chip_ = chips.get_chip(chip)
+  if manual_fetch is None:
+    manual_fetch = page_size <= MANUAL_FETCH_MAX_PAGE_SIZE
   if block_q is None:
     block_q = _default_block_q(num_tokens, num_seqs, group, chip_)
   elif not isinstance(block_q, (int, np.integer)) or block_q < 1 or block_q & (block_q - 1):
@@ -262,7 +286,7 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
   else:
     items_per_call = items_per_call_fit
   return Tiling(block_q, rows, block_kv, pages_per_block, items_per_call, limit, needed,
-                items_per_call * per_item)
+                items_per_call * per_item, bool(manual_fetch))
 
 
 def small_rows(t: Tiling, group: int, q_dtype) -> int:
@@ -391,6 +415,9 @@ class _Static:
   item_floors: tuple[int, ...] | None = None
   # Rows of the short body for items whose tokens fit them (0: none; see the docstring).
   small_rows: int = 0
+  # Pages copied by hand from HBM into a double-buffered VMEM scratch (module docstring,
+  # "Page fetch"), instead of one BlockSpec per page slot.
+  manual_fetch: bool = False
 
 
 def _item(st: _Static, ref, item, field: str):
@@ -401,17 +428,48 @@ def _item(st: _Static, ref, item, field: str):
 
 
 def _kernel(*refs, st: _Static):
-  (rows_ref, q_pos_ref, kv_len_ref, first_block_ref, last_block_ref, slot_pages_ref,
-   scales_ref, q_ref, *refs) = refs
+  (rows_ref, q_pos_ref, kv_len_ref, first_block_ref, last_block_ref, first_page_ref,
+   last_page_ref, slot_pages_ref, scales_ref, q_ref, *refs) = refs
   if st.has_sinks:
     sinks_ref, *refs = refs
   n = st.pages_per_block
-  k_refs, v_refs, (o_ref, m_ref, l_ref, acc_ref) = refs[:n], refs[n:2 * n], refs[2 * n:]
   item, step = pl.program_id(0), pl.program_id(1)
+  if st.manual_fetch:
+    k_hbm, v_hbm, o_ref, m_ref, l_ref, acc_ref, k_buf, v_buf, sems = refs
+    num_items, steps = pl.num_programs(0), pl.num_programs(1)
+    tables = (rows_ref, first_block_ref, last_block_ref, first_page_ref, last_page_ref,
+              slot_pages_ref)
+
+    def fetch(w, t, slot, start: bool):
+      _fetch_block(st, tables, (k_hbm, v_hbm), (k_buf, v_buf), sems, w, t, steps, slot,
+                   start)
+
+    g = item * steps + step            # grid steps run in order: buffer = parity
+    slot = g & 1
+
+    @pl.when(g == 0)
+    def _first():
+      fetch(item, step, slot, True)
+
+    # The next grid step's pages (this item's next block or the next item's first) go
+    # into the other buffer while this step computes.
+    last_step = step == steps - 1
+    next_item = jnp.where(last_step, item + 1, item)
+    next_step = jnp.where(last_step, 0, step + 1)
+
+    @pl.when(next_item < num_items)
+    def _prefetch():
+      fetch(next_item, next_step, 1 - slot, True)
+
+    fetch(item, step, slot, False)     # wait for this step's pages
+    k_refs = [k_buf.at[slot, i] for i in range(n)]
+    v_refs = [v_buf.at[slot, i] for i in range(n)]
+  else:
+    k_refs, v_refs, (o_ref, m_ref, l_ref, acc_ref) = refs[:n], refs[n:2 * n], refs[2 * n:]
   head_dim = acc_ref.shape[1]
   num_rows, num_kv_heads, ps = st.rows, st.num_kv_heads, st.page_size
   bkv = st.block_kv
-  del slot_pages_ref
+  del slot_pages_ref, first_page_ref, last_page_ref
 
   @pl.when(step == 0)
   def _init():
@@ -518,6 +576,48 @@ def _kernel(*refs, st: _Static):
       o_ref[heads, :] = (acc_ref[heads, :] * common.lanes(inv, head_dim)).astype(o_ref.dtype)
 
 
+def _fetch_block(st: _Static, tables, hbm, bufs, sems, w, t, steps, slot, start: bool):
+  """Starts (start=True) or waits for the copies of item w's kv step t into buffer
+  `slot`: each page of the block inside [first_page, last_page] of a non-empty item, K
+  and V, from slot_pages (page ids already clamped into the cache). Waits take the same
+  branches as the starts, so every started copy is waited once. A block entirely inside
+  that range (all but an item's first and last, usually) issues its copies without
+  per-page branches."""
+  rows_ref, first_block_ref, last_block_ref, first_page_ref, last_page_ref, pages_ref = tables
+  n = st.pages_per_block
+  w_ = jnp.minimum(w, rows_ref.shape[0] - 1)      # never an SMEM read past the tables
+  block = _item(st, first_block_ref, w_, "first_block") + t
+  first_page = _item(st, first_page_ref, w_, "first_page")
+  last_page = _item(st, last_page_ref, w_, "last_page")
+  run = ((_item(st, rows_ref, w_, "rows") > 0)
+         & (block <= _item(st, last_block_ref, w_, "last_block")))
+  page0 = block * n
+  base = (w_ * steps + t) * n
+
+  def copy(i):
+    page_id = pages_ref[base + i]
+    for j, (src, buf) in enumerate(zip(hbm, bufs)):
+      c = pltpu.make_async_copy(src.at[page_id], buf.at[slot, i], sems.at[slot, j])
+      if start:
+        c.start()
+      else:
+        c.wait()
+
+  inside = (page0 >= first_page) & (page0 + n - 1 <= last_page)
+
+  @pl.when(run & inside)
+  def _all():
+    for i in range(n):
+      copy(i)
+
+  if n > 1:
+    @pl.when(run & jnp.logical_not(inside))
+    def _some():
+      for i in range(n):
+        pl.when((page0 + i >= first_page) & (page0 + i <= last_page))(
+            functools.partial(copy, i))
+
+
 def _token_of_row(row, group: int):
   """The token of each q row in a token-major block (row // group; exact in f32 for the
   row counts a block has)."""
@@ -564,8 +664,22 @@ def _call(items, slot_pages, scales, q_items, sink_rows, k_pages, v_pages, st: _
   if st.has_sinks:
     in_specs.append(pl.BlockSpec((all_rows, _LANES), lambda w, t, *_: (0, 0)))
     operands.append(sink_rows)
-  in_specs += page_specs + page_specs
-  operands += [k_view] * n + [v_view] * n
+  scratch = [pltpu.VMEM((all_rows, _LANES), jnp.float32),
+             pltpu.VMEM((all_rows, _LANES), jnp.float32),
+             pltpu.VMEM((all_rows, head_dim), jnp.float32)]
+  if st.manual_fetch:
+    # The caches stay in HBM; each step's pages are copied into a double buffer.
+    in_specs += [pl.BlockSpec(memory_space=pl.ANY)] * 2
+    operands += [k_view, v_view]
+    buf = pltpu.VMEM((2, n, st.num_kv_heads * ps, head_dim), k_view.dtype)
+    scratch += [buf, buf, pltpu.SemaphoreType.DMA((2, 2))]
+    # The next item's first block is prefetched during this item's last step, so grid
+    # steps must run in order on one core.
+    semantics = ("arbitrary", "arbitrary")
+  else:
+    in_specs += page_specs + page_specs
+    operands += [k_view] * n + [v_view] * n
+    semantics = ("parallel", "arbitrary")
   return pl.pallas_call(
       functools.partial(_kernel, st=st),
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -573,12 +687,10 @@ def _call(items, slot_pages, scales, q_items, sink_rows, k_pages, v_pages, st: _
           grid=(num_items, steps),
           in_specs=in_specs,
           out_specs=row_spec,
-          scratch_shapes=[pltpu.VMEM((all_rows, _LANES), jnp.float32),
-                          pltpu.VMEM((all_rows, _LANES), jnp.float32),
-                          pltpu.VMEM((all_rows, head_dim), jnp.float32)]),
+          scratch_shapes=scratch),
       out_shape=jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "arbitrary"),
+          dimension_semantics=semantics,
           vmem_limit_bytes=st.vmem_limit_bytes),
       interpret=st.interpret,
       name=KERNEL_NAME,
@@ -718,7 +830,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
                            sliding_window: int | None = None, sinks=None, k_scale=None,
                            v_scale=None, chip: str | None = None, block_q: int | None = None,
                            block_kv: int | None = None, items_per_call: int | None = None,
-                           vmem_limit_bytes: int | None = None, interpret: bool = False):
+                           vmem_limit_bytes: int | None = None,
+                           manual_fetch: bool | None = None, interpret: bool = False):
   """Attention of packed new tokens over a paged KV cache (math in the module docstring).
 
   Args:
@@ -736,8 +849,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     sinks: [Hq] float32 or bfloat16: one learned logit per query head (gpt-oss).
     k_scale, v_scale: for quantized caches: a float or an [Hkv] array (per KV head).
     chip: tiles and VMEM / SMEM budgets for "v5e", "v6e", "v5p" or "v7" (default v6e).
-    block_q, block_kv, items_per_call, vmem_limit_bytes: override the tiling
-      (`paged_tiling`).
+    block_q, block_kv, items_per_call, vmem_limit_bytes, manual_fetch: override the
+      tiling (`paged_tiling`).
     interpret: run in Pallas interpret mode (CPU).
 
   Index inputs are checked (`check_indices`) when they are concrete; under jit they
@@ -760,7 +873,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
                    num_kv_heads=num_kv_heads, group=group,
                    q_dtype=q.dtype, kv_dtype=k_pages.dtype, chip=chip, block_q=block_q,
                    block_kv=block_kv, items_per_call=items_per_call,
-                   vmem_limit_bytes=vmem_limit_bytes)
+                   vmem_limit_bytes=vmem_limit_bytes, manual_fetch=manual_fetch)
   st = _Static(
       sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),
       soft_cap=None if soft_cap is None else float(soft_cap),
@@ -769,7 +882,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
       block_kv=t.block_kv, page_size=page_size, pages_per_block=t.pages_per_block,
       pages_per_seq=pages_per_seq, num_kv_heads=num_kv_heads, rows=t.rows, group=group,
       vmem_limit_bytes=t.vmem_limit_bytes, interpret=bool(interpret),
-      small_rows=small_rows(t, group, q.dtype))
+      small_rows=small_rows(t, group, q.dtype), manual_fetch=t.manual_fetch)
 
   bq, rows = t.block_q, group * t.block_q
   num_items = num_work_items(num_tokens, num_seqs, bq)

@@ -351,7 +351,8 @@ def test_paged_batch_items_classes_and_hbm_replay():
   for case in (headline.PagedBatch(), headline.PagedBatch(context=32768, sliding_window=4096),
                headline.PagedBatch(page_size=16)):
     t = pe.batch_tiling(case, "v6e")
-    slot_pages = pe.batch_items(case, t)["slot_pages"]
+    tables = pe.batch_items(case, t)
     kv = min(case.context, case.sliding_window or case.context)
     q_blocks = 2 * 64 * 8 * t.rows * 128 * 2
-    assert pe.batch_hbm_bytes(case, t, slot_pages) == 2 * 64 * kv * 8 * 128 * 2 + q_blocks
+    assert pe.batch_hbm_bytes(case, t, tables["slot_pages"], tables["items"]) == (
+        2 * 64 * kv * 8 * 128 * 2 + q_blocks)

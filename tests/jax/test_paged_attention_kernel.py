@@ -152,7 +152,8 @@ def _options(p):
 
 def _run(p, x):
   static = {**_options(p), "chip": p["chip"], "block_q": p["block_q"],
-            "block_kv": p["block_kv"], "items_per_call": p.get("items_per_call")}
+            "block_kv": p["block_kv"], "items_per_call": p.get("items_per_call"),
+            "manual_fetch": p.get("manual_fetch")}
   scales = {}
   for name in ("k_scale", "v_scale"):
     if isinstance(x[name], float):
@@ -366,6 +367,18 @@ def test_nan_past_the_length_never_leaks(kv_len, window, block_kv):
   last = x["v_pages"][x["page_indices"][0, (kv_len - 1) // 16]]
   filled = kv_len - 16 * ((kv_len - 1) // 16)
   assert np.isnan(last[:, filled:]).all() and not np.isnan(last[:, :filled]).any()
+  _check(p, x, _run(p, x))
+
+
+@pytest.mark.parametrize("manual_fetch", [True, False])
+def test_page_fetch_by_hand_and_by_blockspec(manual_fetch):
+  """Both page fetches (module docstring, "Page fetch") at page 16: decode and prefill
+  sequences whose lengths are not page multiples (NaN past them, junk page ids past the
+  used pages), 2 pages per kv step so items span several steps and the next item's
+  first block is prefetched, with a window cutting into a block."""
+  p = _problem(kv_lens=[37, 1, 70, 20, 0], q_lens=[1, 1, 6, 7, 0], block_kv=32,
+               sliding_window=40, manual_fetch=manual_fetch)
+  x = _inputs(p)
   _check(p, x, _run(p, x))
 
 
