@@ -34,13 +34,13 @@ q block whose skipped steps wait at block 0).
 Non-causal cases (`case.causal` False) use the same code: every q block visits every kv
 block (hi_i = number of kv blocks), the kernel's own tiling for non-causal attention, and
 the long-sequence fit in q blocks and interior tiles, where an interior tile is now any
-tile the key-padding mask does not cross. A sequence that is not a multiple of the
-blocks is padded by the kernel's wrapper to whole blocks in XLA (`flash_attention`): the
-padded rows and keys are computed (the last kv block runs the masked body), the pad and
-the output slice are XLA copies. Their cycles are in the rated program; their bytes are
-added (`pad_copy_bytes`); the roofline counts the real S only, so the waste shows in the
-efficiency. Long ragged cases are rated at shorter lengths with the same tail (same
-padding, same masked last block).
+tile the key-tail mask does not cross. A sequence that is not a multiple of the blocks
+goes into the kernels unpadded (`flash_attention`): the last q and kv blocks are partial,
+their tails computed as whole blocks and masked in the kernel (the last kv block runs the
+masked body); no XLA copy surrounds the kernel. The bytes count whole blocks (an upper
+bound for the partial last ones); the roofline counts the real S only, so the computed
+tails show in the efficiency. Long ragged cases are rated at shorter lengths with the
+same tail (same partial, masked last blocks).
 """
 
 from __future__ import annotations
@@ -107,18 +107,6 @@ def hbm_bytes(case, t: F.Tiling) -> int:
   return q_out + lse + kv
 
 
-def pad_copy_bytes(case, t: F.Tiling) -> int:
-  """HBM bytes of the XLA copies around the kernel when S is not a block multiple: q
-  padded and out sliced back (each reads one length and writes the other), k and v
-  padded. 0 for block multiples (the wrapper copies nothing)."""
-  row = case.batch * case.head_dim * jnp.dtype(case.dtype).itemsize
-  q_p = -(-case.seq // t.block_q) * t.block_q
-  k_p = -(-case.seq // t.block_k) * t.block_k
-  q_side = 2 * (case.seq + q_p) * case.q_heads * row if q_p != case.seq else 0
-  k_side = 2 * (case.seq + k_p) * case.kv_heads * row if k_p != case.seq else 0
-  return q_side + k_side
-
-
 def mha_program(seq: int, heads: int, case, t: F.Tiling, chip: str):
   """(fn, specs): the forward (causal as the case) of B=1, `heads` MHA heads at the case's
   tiling."""
@@ -141,8 +129,8 @@ def _cycles(seq: int, heads: int, case, t, chip: str) -> int:
 
 def interior_tiles(seq: int, block_q: int, block_k: int, causal: bool = True) -> int:
   """Visited (q block, kv block) pairs no mask crosses: causal, wholly below the diagonal
-  (a block multiple S assumed); non-causal, every pair but those of a kv block holding
-  padded keys."""
+  (a block multiple S assumed); non-causal, every pair but those of the partial last kv
+  block (its tail keys are masked)."""
   if not causal:
     num_q, num_k = -(-seq // block_q), -(-seq // block_k)
     return num_q * (num_k - (seq % block_k != 0))
@@ -154,8 +142,8 @@ def estimate(case, chip: str) -> dict:
   """Partial row: estimated_cycles (the whole forward, all heads), hbm_bytes, how."""
   t = tiling(case, chip)
   total_heads = case.batch * case.q_heads
-  # Long cases: two shorter lengths with the case's tail (the same padding and masked
-  # last blocks; 0 for block multiples). Non-causal ones at half the lengths: their grid
+  # Long cases: two shorter lengths with the case's tail (the same partial, masked last
+  # blocks; 0 for block multiples). Non-causal ones at half the lengths: their grid
   # has every step of each q row (4x the causal folded grid's steps at 1024 x 1024; at
   # S=8184, 512 x 512, 4 heads on v5e the rating took over 900 s on this shared machine),
   # and every q row does the same work, so the per-q-block / per-tile fit is not stretched.
@@ -173,10 +161,10 @@ def estimate(case, chip: str) -> dict:
          "static estimate of the program (non-causal, B=1)")
   how += f", rated at {RATED_HEADS} heads"
   if case.seq % t.block_q or case.seq % t.block_k:
-    how += (f"; S={case.seq} padded by the wrapper to {-(-case.seq // t.block_q) * t.block_q} "
-            f"(q) / {-(-case.seq // t.block_k) * t.block_k} (kv) in XLA: padded rows and keys "
-            "computed, the last kv block masked, pad and slice copies rated and their bytes "
-            "counted")
+    how += (f"; S={case.seq} not a block multiple: partial last blocks in the kernel "
+            f"({case.seq % t.block_q or t.block_q} of {t.block_q} q rows, "
+            f"{case.seq % t.block_k or t.block_k} of {t.block_k} keys; the tails computed, "
+            "the last kv block masked), no pad or slice in XLA")
   if len(seqs) == 1:
     head_cycles = per_head[case.seq]
     method = f"{how}, extrapolated to {total_heads}"
@@ -194,7 +182,7 @@ def estimate(case, chip: str) -> dict:
   row = dict(compiled=True, error=None,   # _cycles raised otherwise
              estimated_cycles=round(fixed[seqs[-1]] + head_cycles * total_heads),
              cycles_per_head=round(head_cycles),
-             hbm_bytes=hbm_bytes(case, t) + pad_copy_bytes(case, t), method=method,
+             hbm_bytes=hbm_bytes(case, t), method=method,
              tiling=dict(block_q=t.block_q, block_k=t.block_k,
                          vmem_limit_bytes=t.vmem_limit_bytes))
   if gqa:

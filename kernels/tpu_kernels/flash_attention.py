@@ -56,7 +56,7 @@ shrinks with the window. The dkv kernel does the same with the roles swapped.
 
 Folded causal forward. Skipped steps still cost pipeline overhead (about 600 cycles
 each in libtpu's estimate), and a causal grid skips almost half its steps. For causal
-self-attention with a static zero offset, no window, no padding, block_q a multiple of
+self-attention with a static zero offset, no window, no partial block, block_q a multiple of
 block_k and an even number of q blocks, the forward's grid row i runs q block i and
 then q block nq - 1 - i: r (i + 1) + r (nq - i) = r (nq + 1) kv steps per row
 (r = block_q / block_k), exactly one step per visited tile (`_fold_causal`,
@@ -66,8 +66,8 @@ blocks see nq - floor(j / r) and nq - floor((nk - 1 - j) / r) times: nq + 1 toge
 (`_folded_dkv`). In libtpu's estimate (v6e, S=4096, 2 heads, 1024 x 1024 blocks) the
 forward, dkv and dq kernels take 21%, 26% and 24% fewer cycles than on the
 rectangular grids.
-Blocks that the causal / window / key-padding mask crosses run a masked copy of the
-body; the interior blocks run it without iotas, compares or selects. Segment ids mask
+Blocks that the causal / window mask or a partial last block (Tails, below) crosses run
+a masked copy of the body; the interior blocks run it without iotas, compares or selects. Segment ids mask
 inside every block and do not skip any.
 
 Diagonal tiles. On folded grids with square blocks (no segment ids), the only masked
@@ -79,9 +79,22 @@ are never computed (1/4 of the tile's work at 1024 x 1024). In libtpu's estimate
 (S=4096, D=128, 1024 x 1024 blocks) that takes 9.8% (v6e) and 12% (v5e) off the
 forward, and 13% off dq + dkv on v6e (v5e's estimator aborts on the backward either way).
 
-Tails. Sq and Skv are padded in XLA to whole blocks (zeros; padded keys are masked,
-padded query rows are dropped, and their zero output-gradient makes them contribute
-nothing to dk / dv). Sequences that are already block multiples are not copied.
+Tails. q, k and v go into the kernels as they are: the grids have cdiv(S, block) blocks
+per axis and the last ones are partial. Pallas reads a partial block's tail from past
+the array's end (whatever VMEM holds there: possibly NaN or inf; interpret mode fills it
+with NaN) and drops its writes there, so no out, lse, dq, dk or dv row past S reaches
+HBM. The kernels keep the tails out of the real results (`_in_bounds`, `_visible`):
+tail keys get -inf logits and their k / v rows are zeroed by a select before a matmul
+(forward: v; dq: k and v), since a zero weight does not hide a NaN (0 * NaN = NaN); in
+dkv the tail query rows' q, dout, lse and di are zeroed, so they add exactly 0 to dk and
+dv. Query rows are independent in the forward and dq, whose tail rows are computed and
+dropped. Only these blocks run the masked body. Before, Sq and Skv were padded in XLA to
+whole blocks and the output sliced back: 57-70% on top of the kernel in libtpu's estimate
+(probe: S=2040, 512 x 512 blocks); dropping them took SD3.5's 4429 tokens from 7,502 to
+4,544 µs on v5e (docs/diffusers.md). What is still
+padded: the [B, S] segment ids and lse / di ([B, Hkv, G, S] f32), small rows of lanes,
+to whole blocks (a block of lanes that is not a multiple of 128, e.g. one block of 336
+rows over 333, must tile its array).
 """
 
 from __future__ import annotations
@@ -291,7 +304,8 @@ class _Static:
   soft_cap: float | None
   has_segments: bool
   has_sinks: bool
-  kv_len: int          # real keys; keys at or past it are padding
+  q_len: int           # real query rows; rows at or past it are the last q block's tail
+  kv_len: int          # real keys; keys at or past it are the last kv block's tail
   block_q: int
   block_k: int
   vmem_limit_bytes: int
@@ -363,7 +377,7 @@ def _fetch(lo, hi, step, next_lo):
 def _fold_causal(causal: bool, sliding_window, q_offset, q_len: int, kv_len: int,
                  block_q: int, block_k: int) -> bool:
   """Whether the three kernels can run on folded causal grids: causal self-attention
-  with no window or offset (q_offset a Python 0), no padding, block_q a multiple of
+  with no window or offset (q_offset a Python 0), no partial block, block_q a multiple of
   block_k and an even number of q blocks.
 
   q block i visits r (i + 1) kv blocks (r = block_q / block_k), so q blocks i and
@@ -409,10 +423,12 @@ def _folded_dkv(row, step, nq: int, nk: int, st: _Static):
   return kv_block, q_block, starts, ends
 
 
-def _needs_mask(q_first, k_first, st: _Static, padded_keys: bool):
+def _needs_mask(q_first, k_first, st: _Static, padded_keys: bool, q_end=None):
   """Whether a (q block, kv block) pair holds any invisible pair: a traced bool, True
   (segment ids: any block may), or None (nothing is ever masked). Interior blocks skip
-  the mask's iotas, compares and selects."""
+  the mask's iotas, compares and selects. q_end (the dkv kernel, when the last q block is
+  partial): the position one past the last real query row; the block holding it is
+  masked too (`_in_bounds`)."""
   if st.has_segments:
     return True
   q_last, k_last = q_first + st.block_q - 1, k_first + st.block_k - 1
@@ -427,6 +443,8 @@ def _needs_mask(q_first, k_first, st: _Static, padded_keys: bool):
     needs = either(needs, q_last - k_first >= st.sliding_window)
   if padded_keys:
     needs = either(needs, k_last >= st.kv_len)
+  if q_end is not None:
+    needs = either(needs, q_last >= q_end)
   return needs
 
 
@@ -470,7 +488,7 @@ def _raw_logits(st: _Static) -> bool:
 def _triangular_diagonal(st: _Static, padded_keys: bool) -> bool:
   """Whether the kernels' masked tiles are exactly the causal diagonal tiles
   (q_first == k_first, static): folded grids (no window, no offset), square blocks, no
-  segment ids or key padding. Those tiles then skip their upper triangle
+  segment ids or partial kv block. Those tiles then skip their upper triangle
   (_diagonal_strips)."""
   return st.fold and st.block_q == st.block_k and not st.has_segments and not padded_keys
 
@@ -498,6 +516,18 @@ def _positions(q_first, k_first, num_rows: int, num_keys: int, keys_on_sublanes:
     shape, q_axis = (num_rows, num_keys), 0
   return (q_first + lax.broadcasted_iota(jnp.int32, shape, q_axis),
           k_first + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis))
+
+
+def _in_bounds(x, first, length: int, axis: int = 0):
+  """x, a block read from VMEM whose entry i along `axis` is entry first + i of an
+  array of `length`, with the entries at or past `length` set to 0. Those are the tail
+  of a partial last block: Pallas reads them from past the array's end, and they hold
+  whatever VMEM held, possibly NaN or inf. A select, not a multiply by the mask, since
+  0 * NaN = NaN. The tail keys' logits are masked as well (`_visible`); this keeps their
+  values (and, in the backward, their keys, and the tail query rows' q, dout, lse and di)
+  out of the matmuls, where a zero weight does not hide a NaN."""
+  index = first + lax.broadcasted_iota(jnp.int32, x.shape, axis)
+  return jnp.where(index < length, x, jnp.zeros_like(x))
 
 
 def _block_mask(q_first, k_first, seg_refs, st: _Static, padded_keys: bool,
@@ -599,6 +629,8 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
     if masked:
       mask = _block_mask(q_first, kv_block * bk, seg_refs, st, padded_keys,
                          keys_on_sublanes=False)
+      if padded_keys:   # the tail keys' logits are masked (a select); their v rows are not
+        v = _in_bounds(v, kv_block * bk, st.kv_len)
     for g in range(group):
       s = lax.dot_general(q_ref[g], k, _NT, preferred_element_type=jnp.float32)
       _update(g, slice(None), s, mask, v)
@@ -653,13 +685,20 @@ def _q_major_grid(nq: int, nk: int, st: _Static):
   return nq, _num_steps(st.block_q, st.block_k, nk, st), q_of, kv_of
 
 
+def _num_blocks(st: _Static) -> tuple[int, int]:
+  """(q blocks, kv blocks): whole blocks, the last one partial where the length is not a
+  block multiple."""
+  return pl.cdiv(st.q_len, st.block_q), pl.cdiv(st.kv_len, st.block_k)
+
+
 def _forward(q5, k, v, sinks, q_seg, kv_seg, q_offset, st: _Static):
-  """q5 [B, Hkv, G, Sq_p, D], k / v [B, Hkv, Skv_p, D] (padded to blocks) ->
-  out [B, Hkv, G, Sq_p, D], lse [B, Hkv, G, Sq_p] f32."""
-  batch, num_kv_heads, group, q_len, head_dim = q5.shape
-  kv_len_p = k.shape[2]
+  """q5 [B, Hkv, G, Sq, D], k / v [B, Hkv, Skv, D], segment ids [B, 1, S_p] (padded to
+  whole blocks) -> out [B, Hkv, G, Sq, D], lse [B, Hkv, G, Sq_p] f32 (Sq_p = whole q
+  blocks: lse and di are rows of lanes, whose blocks must tile them when block_q is not a
+  multiple of 128; the tail's lse is garbage, dropped by the caller)."""
+  batch, num_kv_heads, group, _, head_dim = q5.shape
   bq, bk = st.block_q, st.block_k
-  nq, nk = q_len // bq, kv_len_p // bk
+  nq, nk = _num_blocks(st)
   rows, steps, q_of, kv_of = _q_major_grid(nq, nk, st)
 
   q_spec = pl.BlockSpec((None, None, group, bq, head_dim),
@@ -673,7 +712,7 @@ def _forward(q5, k, v, sinks, q_seg, kv_seg, q_offset, st: _Static):
                  pl.BlockSpec((None, 1, bk), lambda b, h, i, t, *refs: (b, 0, kv_of(i, t, *refs)))]
     operands += [q_seg, kv_seg]
   kernel = functools.partial(_forward_kernel, st=st, group=group, num_q_blocks=nq,
-                             num_kv_blocks=nk, padded_keys=kv_len_p != st.kv_len)
+                             num_kv_blocks=nk, padded_keys=nk * bk != st.kv_len)
   out, lse = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -687,7 +726,7 @@ def _forward(q5, k, v, sinks, q_seg, kv_seg, q_offset, st: _Static):
                           pltpu.VMEM((group, bq, _LANES), jnp.float32),
                           pltpu.VMEM((group, bq, head_dim), jnp.float32)]),
       out_shape=[jax.ShapeDtypeStruct(q5.shape, q5.dtype),
-                 jax.ShapeDtypeStruct(q5.shape[:-1], jnp.float32)],
+                 jax.ShapeDtypeStruct((batch, num_kv_heads, group, nq * bq), jnp.float32)],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
           vmem_limit_bytes=st.vmem_limit_bytes),
@@ -768,6 +807,9 @@ def _dq_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di
     if masked:
       mask = _block_mask(q_first, kv_block * bk, seg_refs, st, padded_keys,
                          keys_on_sublanes=transposed)
+      if padded_keys:   # v feeds dp, k the dq matmul: ds = 0 there, but 0 * NaN = NaN
+        k = _in_bounds(k, kv_block * bk, st.kv_len)
+        v = _in_bounds(v, kv_block * bk, st.kv_len)
     for g in range(group):
       _accumulate(g, slice(None), k, v, mask)
 
@@ -784,8 +826,10 @@ def _dq_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di
 
 
 def _dkv_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs,
-                st: _Static, group, num_q_blocks, num_kv_blocks, padded_keys):
-  """Transposed (keys on sublanes, query rows on lanes; module docstring, Layouts)."""
+                st: _Static, group, num_q_blocks, num_kv_blocks, padded_keys, padded_rows):
+  """Transposed (keys on sublanes, query rows on lanes; module docstring, Layouts).
+  padded_rows: the last q block is partial; its tail rows' q, dout, lse and di are
+  zeroed, so that they add exactly 0 to dk and dv (p dout = 0, ds = p (0 - 0) = 0)."""
   del sinks_ref
   seg_refs, refs = (refs[:2], refs[2:]) if st.has_segments else (None, refs)
   dk_ref, dv_ref, dk_acc_ref, dv_acc_ref = refs
@@ -808,19 +852,25 @@ def _dkv_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
     dk_acc_ref[...] = jnp.zeros_like(dk_acc_ref)
     dv_acc_ref[...] = jnp.zeros_like(dv_acc_ref)
 
-  def _accumulate(g, keys, rows, k, v, mask):
+  def _accumulate(g, keys, rows, k, v, mask, tail=False):
     """dk, dv of the keys `keys` (a static slice; k, v their blocks) from head g's query
-    rows `rows` (a static slice), visible where `mask` (or None)."""
+    rows `rows` (a static slice), visible where `mask` (or None). tail: the q block may
+    hold rows past the real ones (whole blocks only)."""
     q = q_ref[g, rows, :]
     do = do_ref[g, rows, :]
+    lse = lse_ref[pl.ds(g, 1), rows]
+    di = di_ref[pl.ds(g, 1), rows]
+    if tail:
+      q, do = (_in_bounds(x, q_block * bq, st.q_len) for x in (q, do))
+      lse, di = (_in_bounds(x, q_block * bq, st.q_len, axis=1) for x in (lse, di))
     s, t = _logits(lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32), st)
-    p = jnp.exp(s - lse_ref[pl.ds(g, 1), rows])
+    p = jnp.exp(s - lse)
     if mask is not None:
       p = jnp.where(mask, p, 0.0)
     dv_acc_ref[keys, :] += lax.dot_general(p.astype(do.dtype), do, _NN,
                                            preferred_element_type=jnp.float32)
     dp = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
-    ds = p * (dp - di_ref[pl.ds(g, 1), rows])
+    ds = p * (dp - di)
     if t is not None:
       ds = ds * (1.0 - t * t)
     dk_acc_ref[keys, :] += lax.dot_general(ds.astype(q.dtype), q, _NN,
@@ -842,10 +892,11 @@ def _dkv_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
       mask = _block_mask(q_first, kv_block * bk, seg_refs, st, padded_keys,
                          keys_on_sublanes=True)
     for g in range(group):
-      _accumulate(g, slice(None), slice(None), k, v, mask)
+      _accumulate(g, slice(None), slice(None), k, v, mask, tail=masked and padded_rows)
 
   q_first = q_offset + q_block * bq
-  _run_block(run, _needs_mask(q_first, kv_block * bk, st, padded_keys), _compute)
+  q_end = q_offset + st.q_len if padded_rows else None
+  _run_block(run, _needs_mask(q_first, kv_block * bk, st, padded_keys, q_end), _compute)
 
   @pl.when(ends)
   def _finish():
@@ -854,12 +905,11 @@ def _dkv_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
 
 
 def _backward(q5, k, v, sinks, q_seg, kv_seg, q_offset, lse, do5, di, st: _Static):
-  """Gradients of q5, k, v (padded shapes, as in `_forward`)."""
-  batch, num_kv_heads, group, q_len, head_dim = q5.shape
-  kv_len_p = k.shape[2]
+  """Gradients of q5, k, v (shapes as in `_forward`; lse and di [B, Hkv, G, Sq_p] f32)."""
+  batch, num_kv_heads, group, _, head_dim = q5.shape
   bq, bk = st.block_q, st.block_k
-  nq, nk = q_len // bq, kv_len_p // bk
-  padded_keys = kv_len_p != st.kv_len
+  nq, nk = _num_blocks(st)
+  padded_keys = nk * bk != st.kv_len
   params = pltpu.CompilerParams(
       dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
       vmem_limit_bytes=st.vmem_limit_bytes)
@@ -925,7 +975,7 @@ def _backward(q5, k, v, sinks, q_seg, kv_seg, q_offset, lse, do5, di, st: _Stati
                  pl.BlockSpec((None, 1, bk), lambda b, h, j, t, *r: (b, 0, kv_of_t(j, t, *r)))]
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, st=st, group=group, num_q_blocks=nq, num_kv_blocks=nk,
-                        padded_keys=padded_keys),
+                        padded_keys=padded_keys, padded_rows=nq * bq != st.q_len),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2,
           grid=(batch, num_kv_heads, rows_t, steps_t),
@@ -955,13 +1005,16 @@ def _attention_fwd(q5, k, v, sinks, q_seg, kv_seg, q_offset, st):
 def _attention_bwd(st, saved, cotangents):
   q5, k, v, sinks, q_seg, kv_seg, q_offset, out, lse = saved
   d_out, d_lse = cotangents
-  di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+  # lse and d_lse have whole q blocks of rows (_forward); di too, its tail zero.
+  di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  di = _pad(di, 3, lse.shape[3]) - d_lse
   dq, dk, dv = _backward(q5, k, v, sinks, q_seg, kv_seg, q_offset, lse,
                          d_out.astype(q5.dtype), di, st)
   d_sinks = None
   if st.has_sinks:
     group = q5.shape[2]
     per_head = sinks.reshape(1, -1, group, 1)
+    lse, di = lse[..., :st.q_len], di[..., :st.q_len]   # the tail's lse is garbage
     p_sink = jnp.exp(per_head - lse)   # the sink's probability: lse >= sink, so in (0, 1]
     d_sinks = -jnp.sum(p_sink * di, axis=(0, 3)).reshape(-1).astype(sinks.dtype)
   return dq, dk, dv, d_sinks, None, None, None
@@ -1064,34 +1117,37 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
       sm_scale=float(1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale),
       sliding_window=None if sliding_window is None else int(sliding_window),
       soft_cap=None if soft_cap is None else float(soft_cap),
-      has_segments=segment_ids is not None, has_sinks=sinks is not None, kv_len=kv_len,
+      has_segments=segment_ids is not None, has_sinks=sinks is not None, q_len=q_len,
+      kv_len=kv_len,
       block_q=t.block_q, block_k=t.block_k, vmem_limit_bytes=t.vmem_limit_bytes,
       interpret=bool(interpret),
       fold=_fold_causal(causal, sliding_window, q_offset, q_len, kv_len, t.block_q, t.block_k))
-  q_len_p, kv_len_p = vmem.round_up(q_len, t.block_q), vmem.round_up(kv_len, t.block_k)
-
-  def pad(a, axis, to):
-    if a.shape[axis] == to:
-      return a
-    widths = [(0, 0)] * a.ndim
-    widths[axis] = (0, to - a.shape[axis])
-    return jnp.pad(a, widths)
-
-  q5 = pad(q.reshape(batch, num_kv_heads, group, q_len, head_dim), 3, q_len_p)
-  k_p, v_p = pad(k, 2, kv_len_p), pad(v, 2, kv_len_p)
+  # q, k and v go in as they are (the last blocks partial, their tails masked in the
+  # kernels); only the small segment-id rows are padded to whole blocks (the blocks of a
+  # row of lanes must tile it when they are not a multiple of 128).
+  q5 = q.reshape(batch, num_kv_heads, group, q_len, head_dim)
   q_seg = kv_seg = None
   if segment_ids is not None:
     q_seg, kv_seg = _split_segment_ids(segment_ids)
-    q_seg = pad(q_seg.astype(jnp.int32), 1, q_len_p)[:, None, :]
-    kv_seg = pad(kv_seg.astype(jnp.int32), 1, kv_len_p)[:, None, :]
+    q_seg = _pad(q_seg.astype(jnp.int32), 1, vmem.round_up(q_len, t.block_q))[:, None, :]
+    kv_seg = _pad(kv_seg.astype(jnp.int32), 1, vmem.round_up(kv_len, t.block_k))[:, None, :]
   # Scalar-prefetched (SMEM holds 32-bit words): sinks in f32, a dummy when absent.
   sinks_f32 = jnp.zeros((1,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
   q_offset_arg = jnp.asarray(q_offset, jnp.int32).reshape(1)
-  out5, lse4 = _attention(q5, k_p, v_p, sinks_f32, q_seg, kv_seg, q_offset_arg, st)
-  out = out5[:, :, :, :q_len].reshape(q.shape)
+  out5, lse4 = _attention(q5, k, v, sinks_f32, q_seg, kv_seg, q_offset_arg, st)
+  out = out5.reshape(q.shape)
   if not return_lse:
     return out
   return out, lse4[:, :, :, :q_len].reshape(batch, num_q_heads, q_len)
+
+
+def _pad(a, axis: int, to: int):
+  """a padded with zeros along `axis` to length `to` (a itself if it has that length)."""
+  if a.shape[axis] == to:
+    return a
+  widths = [(0, 0)] * a.ndim
+  widths[axis] = (0, to - a.shape[axis])
+  return jnp.pad(a, widths)
 
 
 def _split_segment_ids(segment_ids):

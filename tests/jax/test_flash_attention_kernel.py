@@ -296,6 +296,66 @@ def _problem(**overrides):
   return p
 
 
+@pytest.mark.parametrize("case", [
+    # one block (336 rows) over 333: the tail of 3 rows and 3 keys, SD3.5's 333 text tokens
+    dict(q_len=333, kv_len=333),
+    # 4429 / 512 blocks scaled to 128: two whole blocks and a tail of 83 = 0.65 of a block,
+    # queries and keys; with causal, segments and sinks the tails also meet every mask
+    dict(q_len=339, kv_len=339, block_q=128, block_k=128),
+    dict(q_len=339, kv_len=339, block_q=128, block_k=128, causal=True, segments="shared",
+         num_segments=3, sinks="normal", soft_cap=30.0, dtype="bfloat16"),
+    # cross-attention: the q tail (83 rows) and the kv tail (72 keys) in different blocks
+    dict(q_len=339, kv_len=200, block_q=128, block_k=128, group=3, num_kv_heads=1),
+], ids=["one-block", "4429-like", "4429-like-all-masks", "cross"])
+def test_partial_last_blocks(case):
+  """Sequences that are not block multiples go into the kernels unpadded: the last q and
+  kv blocks are partial, and Pallas reads their tails from past the arrays' ends.
+  Interpret mode fills those tails with NaN (as a TPU may hold anything there), so a tail
+  key's value row or a tail query row's dout / lse reaching a matmul with weight 0 gives
+  NaN (0 * NaN), and `_check` insists on finite results that match the reference:
+  forward, lse and dq / dk / dv."""
+  p = _problem(**case)
+  assert p["q_len"] % (p["block_q"] or 8) and p["kv_len"] % (p["block_k"] or 8)
+  x = _inputs(p)
+  _check(p, x, *_run(p, x))
+
+
+def test_q_k_v_are_not_padded_in_xla():
+  """Tails are masked in the kernels (test_partial_last_blocks): q, k and v reach the
+  pallas_calls as they are (a free reshape of q), and no pad or slice of them, or of the
+  output, runs in XLA. Only the [B, S] segment ids and the [B, Hkv, G, S] lse / di rows
+  have whole blocks (lane rows, which blocks of 336 could not tile otherwise)."""
+  q = jnp.zeros((1, 4, 333, 64), jnp.bfloat16)
+  k = jnp.zeros((1, 2, 333, 64), jnp.bfloat16)
+  seg = jnp.zeros((1, 333), jnp.int32)
+
+  def loss(q, k, v):
+    out = FA.flash_attention(q, k, v, segment_ids=seg, interpret=True, chip=CHIP)
+    return jnp.sum(out.astype(jnp.float32))
+
+  jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, k)
+  kernels, copies = [], []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        kernels.append(str(eqn.params["name"]))
+        continue
+      if eqn.primitive.name in ("pad", "slice", "dynamic_slice", "concatenate"):
+        copies.extend((eqn.primitive.name, v.aval.shape) for v in eqn.invars
+                      if getattr(v, "aval", None) is not None and v.aval.ndim >= 4
+                      and v.aval.shape[-1] == 64)
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else [param]:
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            walk(sub)
+
+  walk(jaxpr.jaxpr)
+  assert sorted(kernels) == sorted([FA.FORWARD_KERNEL, FA.DQ_KERNEL, FA.DKV_KERNEL]), kernels
+  assert not copies, copies
+
+
 @pytest.mark.parametrize("sinks", [None, "normal"])
 @pytest.mark.parametrize("how", ["segments", "window_past_keys"])
 def test_fully_masked_rows_are_zero_never_nan(how, sinks):
