@@ -176,6 +176,26 @@ def test_k_tail_mask_zeroes_stale_data_exactly(dtype, in_f32):
     np.testing.assert_array_equal(got[head], kept[head])
 
 
+@pytest.mark.parametrize("quant", sorted(QUANT))
+def test_every_weight_code_dequantizes_exactly(quant):
+  """All 256 codes of a 1-byte weight, one per output column (k = 1, lhs 1, scale 1), come
+  out as their exact values by ml_dtypes' own conversion: float8_e4m3fn's subnormals, its
+  largest normals (+-448) and both NaN codes (0x7F, 0xFF; it has no inf) included. Zero's
+  sign is the f32 accumulator's (0 + -0 = +0), so +-0 compare equal."""
+  codes = np.arange(256, dtype=np.uint8).view(np.int8 if quant == "int8"
+                                               else ml_dtypes.float8_e4m3fn)
+  expected = codes.astype(np.float32)
+  assert np.isnan(expected).sum() == (2 if quant != "int8" else 0)
+  scale = jnp.ones((1, 256), jnp.float32)
+  for dtype, transpose_rhs in ((jnp.float32, False), (jnp.bfloat16, True)):   # both layouts
+    rhs = jnp.asarray(codes.reshape((1, 256, 1) if transpose_rhs else (1, 1, 256)))
+    out = K.ragged_dot(jnp.ones((1, 1), dtype), rhs, jnp.ones(1, jnp.int32),
+                       transpose_rhs=transpose_rhs, rhs_scale=scale, interpret=True)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32))[0], expected,
+                                  f"{quant} {dtype.__name__} transpose_rhs={transpose_rhs}")
+
+
 def test_rows_outside_local_groups_never_leak():
   """NaN / inf in rows of other groups or past sum(group_sizes) stay out of the results."""
   m, k, n = 40, 130, 70
