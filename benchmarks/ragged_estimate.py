@@ -393,11 +393,57 @@ def quantized_decode_table(rows: list[dict], case_names) -> str:
   return "\n".join(out) + "\n"
 
 
-if __name__ == "__main__":   # python benchmarks/ragged_estimate.py [estimates.jsonl]
+def why_not_rated(row: dict | None) -> str:
+  """A short cell for a row without a prediction: its error, named."""
+  if row is None:
+    return "no row"
+  error = row.get("error") or ""
+  if "CompileTimeScopedVmemOom" in error:
+    return "VMEM OOM"
+  if "Static LLO profiling" in error or "static estimator aborts" in error:
+    return "estimator aborts"
+  return "error"
+
+
+def tpu_inference_gmm_table(rows: list[dict], case_names) -> str:
+  """Markdown: tpu-inference's megablox gmm beside ours at each case of `case_names`
+  (headline.QUANTIZED_DECODE's names: bf16, int8 and fp8) per chip, from estimates.jsonl."""
+
+  def find(case, chip, match):
+    return next((r for r in rows if r["case"] == case and r["chip"] == chip and match(r)), None)
+
+  us = lambda r: f"{r['predicted_us']:,.1f}" if r and "predicted_us" in r else why_not_rated(r)
+  out = ["| case | chip | tpu-inference gmm µs | its efficiency | ours µs | roofline µs "
+         "| ours ÷ tpu-inference |", "|---|---|---:|---:|---:|---:|---:|"]
+  chips = sorted({r["chip"] for r in rows})
+  for case in case_names:
+    for chip in chips:
+      theirs = find(case, chip, lambda r: "tpu-inference megablox gmm" in r["implementation"])
+      ours = find(case, chip, lambda r: r["source"] == "ours")
+      rated = lambda r: r is not None and "predicted_us" in r
+      roofline = next((r["roofline_us"] for r in (ours, theirs) if r and r.get("roofline_us")),
+                      None)
+      efficiency = f"{theirs['efficiency']:.2f}" if rated(theirs) else ""
+      ratio = (f"{ours['predicted_us'] / theirs['predicted_us']:.2f}x"
+               if rated(ours) and rated(theirs) else "")
+      out.append(f"| {case.removeprefix('ragged_dot ')} | {chip} | {us(theirs)} "
+                 f"| {efficiency} | {us(ours)} "
+                 f"| {'' if roofline is None else f'{roofline:,.1f}'} | {ratio} |")
+  return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+  # python benchmarks/ragged_estimate.py [--tpu-inference] [estimates.jsonl]: the quantized
+  # decode table (or the tpu-inference gmm table) of docs/performance.md.
   import json
   import headline
-  path = Path(sys.argv[1]) if len(sys.argv) > 1 else \
-      Path(__file__).resolve().parent / "results" / "estimates.jsonl"
+  args = sys.argv[1:]
+  versus_tpu_inference = "--tpu-inference" in args
+  args = [a for a in args if a != "--tpu-inference"]
+  path = Path(args[0]) if args else Path(__file__).resolve().parent / "results" / "estimates.jsonl"
   rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-  print(quantized_decode_table(rows, [c.name for c in headline.QUANTIZED_DECODE
-                                      if c.quantized]), end="")
+  if versus_tpu_inference:
+    print(tpu_inference_gmm_table(rows, [c.name for c in headline.QUANTIZED_DECODE]), end="")
+  else:
+    print(quantized_decode_table(rows, [c.name for c in headline.QUANTIZED_DECODE
+                                        if c.quantized]), end="")

@@ -213,3 +213,23 @@ def test_quantized_decode_table_compares_with_the_best_bf16_anchor():
   cells = [c.strip() for c in line.strip("|").split("|")]
   assert cells[2:] == ["100.0", "90.0", "0.90", "170.0 (jax megablox gmm)", "1.70x", "400.0",
                        "50.0", "190.0", "efficiency met, speed-up missed"]
+
+
+def test_tpu_inference_gmm_table_cells():
+  """tpu-inference's gmm beside ours per case and chip: both predictions, its efficiency,
+  the roofline and ours ÷ theirs; a row without a prediction says why (VMEM OOM, estimator
+  aborts) and one missing says "no row", with no ratio."""
+  case = "ragged_dot M down fp8 m=64"
+  tpu_inference = "tpu-inference megablox gmm (tpu-inference 0.32.0, its tiling)"
+  rows = [dict(case=case, chip="v6e", source="ours", implementation="pallas",
+               predicted_us=150.0, roofline_us=100.0, efficiency=100 / 150),
+          dict(case=case, chip="v6e", source="anchor", implementation=tpu_inference,
+               predicted_us=120.0, roofline_us=100.0, efficiency=100 / 120),
+          dict(case=case, chip="v5e", source="anchor", implementation=tpu_inference,
+               error="RuntimeError: child exit 1: RESOURCE_EXHAUSTED: E1001: "
+                     "CompileTimeScopedVmemOom: ...")]
+  table = E.tpu_inference_gmm_table(rows, [case]).splitlines()
+  cells = {line.split("|")[2].strip(): [c.strip() for c in line.strip("|").split("|")]
+           for line in table[2:]}
+  assert cells["v6e"] == ["M down fp8 m=64", "v6e", "120.0", "0.83", "150.0", "100.0", "1.25x"]
+  assert cells["v5e"] == ["M down fp8 m=64", "v5e", "VMEM OOM", "", "no row", "", ""]
