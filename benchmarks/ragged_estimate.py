@@ -311,19 +311,21 @@ def xla_function(case: GmmCase):
 
 
 # How each model's experts call the kernel (scripts/ragged_dot_cases.py's MODELS): gpt-oss
-# stores (G, k, n) weights with interleaved gate/up columns; the others (G, n, k).
+# stores (G, k, n) weights with interleaved gate/up columns; the others (G, n, k) in bf16,
+# and (G, k, n) once quantized (`quantize_experts_` stores 1-byte weights that way).
 INTERLEAVED_GATE_UP = ("gpt-oss-20b",)
 
 
 def gmm_case(case, chip: str) -> GmmCase:
-  """The kernel call the op makes for a headline.GroupedMatmul `case`: the gated kernel
+  """The kernel call the op makes for a headline.GroupedMatmul `case` (weights in the layout
+  the op gets them: int8 / fp8 always (G, k, n)): the gated kernel
   for concatenated gate/up halves, and for gpt-oss's interleaved gate/up the route
   `ragged_dot.gate_up_route` picks ("xla_gate" at these sizes: the plain kernel to a
   float32 (m, 2I), gated by XLA)."""
   interleaved = case.model in INTERLEAVED_GATE_UP
   common = dict(chip=chip, dtype=case.dtype, weight_dtype=case.weight_dtype,
                 active_groups=case.active_groups if case.active_groups < case.groups else None,
-                transpose_rhs=not interleaved)
+                transpose_rhs=not interleaved and not case.quantized)
   if case.gated:
     weight_bytes = case.groups * case.k * case.n_weight * jnp.dtype(case.weight_dtype).itemsize
     route = R.gate_up_route(case.m, case.n_weight, "interleaved" if interleaved else

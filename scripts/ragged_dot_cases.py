@@ -7,6 +7,8 @@ the matrix). Weight layouts are Transformers' expert layouts:
     `transpose_rhs=True`, concatenated gate/up, silu.
   * gpt-oss-20b: gate_up (G, H, 2I) with interleaved gate/up columns, down (G, I, H),
     both with bias -> `transpose_rhs=False`, layout "interleaved", activation "gpt_oss".
+  * int8 / float8_e4m3fn weights (`quantized_programs`): (G, in, out) for every model, as
+    the op's `quantize_experts_` stores them -> `transpose_rhs=False`.
 
 Per model and m: four programs, `gate_up fwd`, `down fwd` (inference) and `gate_up bwd`,
 `down bwd` (jax.grad of 0.5 * sum(out^2) w.r.t. lhs, weight and bias, so the forward
@@ -83,6 +85,12 @@ class Program:
     return f"{self.model.name} {self.projection} {self.direction} m={self.m}{w}"
 
   @property
+  def transposed(self) -> bool:
+    """Weights (G, out, in): the model's bf16 layout; quantized weights are always
+    (G, in, out), as the op's quantize_experts_ stores them."""
+    return self.model.transposed and self.weight_dtype == self.dtype
+
+  @property
   def gate_up_route(self) -> str | None:
     """The gated forward's route (ragged_dot.gate_up_route), None for the down projection."""
     if not self.gated:
@@ -104,8 +112,8 @@ class Program:
   def _specs(self):
     md = self.model
     quantized = self.weight_dtype != self.dtype
-    shape = (md.experts, self.n_full, self.k) if md.transposed else (md.experts, self.k,
-                                                                      self.n_full)
+    shape = (md.experts, self.n_full, self.k) if self.transposed else (md.experts, self.k,
+                                                                        self.n_full)
     specs = [S((self.m, self.k), jnp.dtype(self.dtype)), S(shape, jnp.dtype(self.weight_dtype)),
              S((md.experts,), jnp.int32)]
     if md.bias:
@@ -117,7 +125,7 @@ class Program:
   def function(self, chip: str):
     """fn(lhs, weight, group_sizes[, bias][, scale]) -> output (m, I or H)."""
     md = self.model
-    kw = dict(transpose_rhs=md.transposed, chip=chip)
+    kw = dict(transpose_rhs=self.transposed, chip=chip)
     if self.gated:
       op = functools.partial(R.gated_ragged_dot, activation=md.activation, layout=md.layout,
                              **kw)
@@ -165,7 +173,7 @@ class Program:
         out.append(("z", R.gmm_tiling(m, k, n_full, rhs_dtype=wdt, out_dtype=jnp.float32,
                                       **common)))
       out.append(("d_lhs", R.gmm_tiling(m, n_full, k, rhs_dtype=wdt, out_dtype=dt, **common)))
-      tk, tn = (n_full, k) if md.transposed else (k, n_full)
+      tk, tn = (n_full, k) if self.transposed else (k, n_full)
       out.append(("d_rhs", R.tgmm_tiling(m, tk, tn, grad_dtype=dt, out_dtype=wdt, **common)))
     return out
 

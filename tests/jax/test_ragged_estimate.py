@@ -191,10 +191,13 @@ def test_gpt_oss_gate_up_is_rated_as_the_route_the_op_takes():
   g = E.gmm_case(case, "v6e")
   assert (g.gated, g.n_out, g.out_dtype, g.transpose_rhs) == (False, 5760, "float32", False)
   assert (g.groups, g.active_groups, g.k) == (32, None, 2880)
+  # Quantized weights are rated as quantize_experts_ stores them, (G, k, n), bf16 ones as
+  # Transformers does, (G, n, k).
   qwen = E.gmm_case(headline.GroupedMatmul.of("Qwen3-30B-A3B", 64, "down", "float8_e4m3fn"),
                     "v5e")
   assert (qwen.gated, qwen.active_groups, qwen.transpose_rhs, qwen.quantized) == \
-      (False, 64, True, True)
+      (False, 64, False, True)
+  assert E.gmm_case(headline.GroupedMatmul.of("Qwen3-30B-A3B", 64, "down"), "v5e").transpose_rhs
 
 
 def test_quantized_decode_table_compares_with_the_best_bf16_anchor():

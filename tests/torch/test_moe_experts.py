@@ -229,6 +229,12 @@ def test_quantized_experts_error_is_bounded(registered, kind, qdtype):
   up = "gate_up_proj" if module.has_gate else "up_proj"
   assert getattr(module, up).dtype == getattr(torch, qdtype)
   assert getattr(module, f"{up}_scale").dtype == torch.float32
+  # Stored [experts, in, out] (the layout the kernel reads without a per-block transpose),
+  # flagged through the module's own is_transposed; a second call changes nothing.
+  assert module.is_transposed and getattr(module, up).shape[1] == module.down_proj.shape[2] == 48
+  before = {n: t.clone() for n, t in module.named_buffers()}
+  assert registered.quantize_experts_(module, qdtype) == 1
+  assert all(torch.equal(t, before[n]) for n, t in module.named_buffers())
   hidden.requires_grad_()
   quant = registered.experts_forward(module, hidden, index, weights)
   # The kernel computes exactly the dequantized model (float64 reference)...

@@ -302,7 +302,7 @@ def test_generic_route_with_placeholders_and_quantized_weights(ragged, quantized
     # Reference: the dequantized weights as float parameters through grouped_mm.
     for name in ("gate_up_proj", "down_proj"):
       q, scale = getattr(module, name), getattr(module, f"{name}_scale")
-      deq = q.float() * scale[:, :, None]
+      deq = q.float() * (scale[:, None, :] if module.is_transposed else scale[:, :, None])
       delattr(module, name)
       module.register_parameter(name, torch.nn.Parameter(deq))
       delattr(module, f"{name}_scale")
