@@ -248,6 +248,18 @@ def test_quantized_experts_error_is_bounded(registered, kind, qdtype):
   assert torch.isfinite(grad).all() and grad.abs().max() > 0
 
 
+def test_half_quantized_module_is_refused(registered):
+  """One layout flag (is_transposed) covers both expert weights, so a module with one
+  quantized and one float weight is refused, not converted halfway."""
+  module = _direct_experts("qwen", torch.bfloat16)
+  down = module.down_proj.detach()
+  del module._parameters["down_proj"]
+  module.register_buffer("down_proj", down.to(torch.int8))
+  with pytest.raises(ValueError, match="one quantized and one float"):
+    registered.quantize_experts_(module, "int8")
+  assert module.gate_up_proj.dtype == torch.bfloat16 and not module.is_transposed
+
+
 def test_quantized_model_generates_like_bf16(registered):
   """int8 experts in a tiny Qwen3-MoE: logits stay within the int8 bound of bf16's."""
   model = _tiny("qwen3_moe", torch.bfloat16)
