@@ -153,3 +153,19 @@ def test_summary_rates_against_the_roofline_and_is_the_performance_page_table():
   assert len(shipped) == 2 + len(T.grid())
   performance = (T.ROOT / "docs" / "performance.md").read_text()
   assert "\n".join(shipped) in performance
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+@pytest.mark.parametrize("m, k, n", [(64, 14336, 4096), (512, 4096, 14336), (64, 2880, 5760)])
+def test_one_byte_weights_get_a_block_k_that_divides_k(chip, m, k, n):
+  """A partial last k block of int8 / fp8 weights is converted before its mask, off the
+  dot's fast widening, so the heuristic takes a block_k dividing k where one fits
+  (Mixtral-8x7B down / gate_up, gpt-oss-20b gate_up at decode); bf16 weights keep the
+  largest block, tail or not."""
+  common = dict(num_groups=8, lhs_dtype=BF16, out_dtype=BF16, chip=chip)
+  for weights in (jnp.int8, jnp.float8_e4m3fn):
+    t = R.gmm_tiling(m, k, n, rhs_dtype=weights, **common)
+    assert k % t.block_k == 0, (weights, t)
+    assert t.vmem_plan_bytes <= t.vmem_limit_bytes
+  if k == 14336 and chip == "v6e":
+    assert k % R.gmm_tiling(m, k, n, rhs_dtype=BF16, **common).block_k   # a tail for bf16
