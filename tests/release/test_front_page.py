@@ -163,7 +163,23 @@ def _estimate_numbers() -> set[float]:
   seed = json.loads(SEED_PREDICTION.read_text())
   numbers |= {round(v, 2) for chip in seed["summary"].values() for k, v in chip.items()
               if k.endswith("_ratio")}
-  return numbers | set(seed["seed_speedup"].values())
+  return numbers | set(seed["seed_speedup"].values()) | _quantized_table_numbers()
+
+
+def _quantized_table_numbers() -> set[float]:
+  """The numbers of docs/performance.md's quantized-decode and tpu-inference gmm tables, as
+  benchmarks/ragged_estimate.py generates them from estimates.jsonl (speed-ups over the
+  best bf16 anchor, ours ÷ tpu-inference)."""
+  import sys
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import headline
+  import ragged_estimate
+  rows = [json.loads(line) for line in
+          (ROOT / "benchmarks" / "results" / "estimates.jsonl").read_text().splitlines() if line]
+  text = ragged_estimate.quantized_decode_table(
+      rows, [c.name for c in headline.QUANTIZED_DECODE if c.quantized])
+  text += ragged_estimate.tpu_inference_gmm_table(rows, [c.name for c in headline.QUANTIZED_DECODE])
+  return {float(n.replace(",", "")) for n in DECIMAL.findall(text)}
 
 
 def test_every_number_of_the_performance_section_is_in_the_estimates_file():
