@@ -96,7 +96,13 @@ def test_table_is_made_from_the_results_file():
         (sums["shared"] + sums["default"]) / (sums["shared"] + sums["ours"]))
     for p in [p for ps in parts.values() for p in ps.values()]:
       assert p["predicted_us"] == pytest.approx(max(p["compute_us"], p["hbm_us"]))
-  assert results["summary"] == json.loads(json.dumps(summary))
+  # The stored summary is the module's, to the last few ulps: Python 3.12's sum() of floats
+  # is compensated (Neumaier), 3.11's is not, and the file was written on 3.11.
+  stored = results["summary"]
+  assert {c: sorted(v) for c, v in stored.items()} == {c: sorted(v) for c, v in summary.items()}
+  for chip, values in summary.items():
+    for key, value in values.items():
+      assert stored[chip][key] == pytest.approx(value, rel=1e-12, abs=0), (chip, key)
   table = S.table(results)
   docs = (ROOT / "docs" / "performance.md").read_text()
   assert table in docs, "docs/performance.md's seed table is not the module's table"
