@@ -198,10 +198,10 @@ def _best_blocks(bm_cands, k_cands, n_cands, n, plan, budget, whole_k=None):
   a block_k that divides it, then the largest block_k * block_n (fewer grid steps, more
   MXU work per byte), then the larger block_k (fewer weight refetches).
 
-  Why whole_k: a partial last k block is masked, and a masked 1-byte weight block is
-  converted to the compute dtype before the select, off the dot's own fast widening
-  (`_gmm_kernel`): for fp8 that conversion costs more than the block's DMA (Mixtral-8x7B
-  down fp8, m=64, v6e: block_k 7680 over k = 14336 rated 0.58 of the roofline)."""
+  Why whole_k: a partial last k block is masked (a select on the lhs and the weight
+  block, `_gmm_kernel`) and splits the dot. For 1-byte weights, whose blocks are cheap to
+  fetch, that shows: gpt-oss down fp8, m=64, v6e rates 10,224 cycles per visit at
+  block_k 1536 over k = 2880 against 8,226 at the whole k (int8 11,361 against 9,292)."""
   for bm in bm_cands:
     fits = [(bk, bn) for bk in k_cands for bn in n_cands if plan(bm, bk, bn) <= budget]
     if fits:
@@ -521,10 +521,11 @@ def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has
       # the block with astype first, as before, rated 1.4-2.0x the cycles per visit for
       # fp8 (v6e: 3,362 -> 1,894 for a [G, n, k] block; v5e 3,820 -> 2,740) and the same
       # for int8 (docs/performance.md, "Quantized decode"); tpu-inference's gmm does this.
-      # The masked k tail still converts first: the select runs on the widened block.
+      # The masked k tail selects in the weights' own dtype too (exact: it picks codes).
+      # Widening the tail block first, as before, cost fp8 1.8x the cycles per visit
+      # (gpt-oss down, m=64, block_k 1536 over k=2880: v6e 18,036 -> 10,224, v5e
+      # 21,876 -> 15,576); int8 rates within 1% either way.
       if masked:
-        if w.dtype != compute_dtype:
-          w = w.astype(compute_dtype)
         w = _mask_k_tail(w, 1 if transpose_rhs else 0, k_rem, mask_in_f32)
       dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
       acc[...] += jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)

@@ -32,6 +32,7 @@ compile is single-threaded; the test run itself is serial).
 import re
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from aot_pool import check_compiled, compile_pool
@@ -85,6 +86,29 @@ def test_model_shapes_compile_bf16(pool, model, chip, record_property):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_quantized_weights_compile(pool, model, chip, record_property):
   _compile_and_check(pool, quantized_programs(model, QUANT_M), chip, record_property)
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+@pytest.mark.parametrize("weight_dtype", ["int8", "float8_e4m3fn"])
+def test_quantized_weights_with_a_k_tail_compile(weight_dtype, chip):
+  """A masked last k block of 1-byte weights: the select runs in the weights' own dtype
+  (`_gmm_kernel`). The matrix above never has one (the tiling prefers a block_k that
+  divides k for 1-byte weights), so one is forced: gpt-oss down at m=64, block_k 1536
+  over k = 2880 (a 1344-wide tail)."""
+  experts, k, n = 32, 2880, 2880
+  specs = [jax.ShapeDtypeStruct((64, k), jnp.bfloat16),
+           jax.ShapeDtypeStruct((experts, k, n), jnp.dtype(weight_dtype)),
+           jax.ShapeDtypeStruct((experts,), jnp.int32),
+           jax.ShapeDtypeStruct((experts, n), jnp.float32)]
+
+  def fn(x, w, group_sizes, scale):
+    return R.ragged_dot(x, w, group_sizes, rhs_scale=scale, chip=chip, block_m=16,
+                        block_k=1536, block_n=1024)
+
+  report = aot.compile_for_chip(fn, specs, chip)
+  assert report.ok, report.error
+  matmuls = [n for n in report.kernel_names if R.VISIT_TABLE_KERNEL not in n]
+  assert len(matmuls) == 1, report
 
 
 def _tuned_program(entry) -> Program:

@@ -158,21 +158,23 @@ def test_gradients_match_reference(p, gated):
 
 
 @pytest.mark.parametrize("in_f32", [False, True])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.int8, jnp.float8_e4m3fn])
 def test_k_tail_mask_zeroes_stale_data_exactly(dtype, in_f32):
-  """The last k block past the array end may hold NaN: the mask makes it exactly 0 and
-  keeps the rest bit for bit, in the input dtype, along either axis (lhs: 1, rhs: 0)."""
+  """The last k block past the array end may hold NaN (int8: any code): the mask makes it
+  exactly 0 and keeps the rest bit for bit, in the input dtype (1-byte weights are masked
+  as codes, not widened first), along either axis (lhs: 1, rhs: 0)."""
   rng = np.random.default_rng(0)
-  x = rng.standard_normal((16, 256)).astype(np.float32)
-  x[:, 200:] = np.nan
+  x = rng.standard_normal((16, 256)).astype(np.float32) * 8
+  x[:, 200:] = -128 if dtype == jnp.int8 else np.nan
   for axis, block in ((1, x), (0, x.T)):
-    out = K._mask_k_tail(jnp.asarray(block, dtype), axis, 200, in_f32)
+    stored = jnp.asarray(block).astype(dtype)
+    out = K._mask_k_tail(stored, axis, 200, in_f32)
     assert out.dtype == dtype
-    kept = np.asarray(jnp.asarray(block, dtype).astype(jnp.float32))
+    kept = np.asarray(stored.astype(jnp.float32))
     got = np.asarray(out.astype(jnp.float32))
     tail = (slice(None), slice(200, None)) if axis == 1 else (slice(200, None), slice(None))
     head = (slice(None), slice(None, 200)) if axis == 1 else (slice(None, 200), slice(None))
-    assert (got[tail] == 0).all()
+    assert (kept[tail] != 0).all() and (got[tail] == 0).all()
     np.testing.assert_array_equal(got[head], kept[head])
 
 
