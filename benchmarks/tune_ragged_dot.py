@@ -1,13 +1,19 @@
 """Tunes the grouped matmul's forward blocks with libtpu's static estimate; writes the table.
 
-    python benchmarks/tune_ragged_dot.py [--chips v6e] [--models ...] [--retry-failed] [--summary]
+    python benchmarks/tune_ragged_dot.py [--chips v6e] [--models ...] [--weight-dtypes ...]
+                                         [--retry-failed] [--summary]
 
 Grid (`MODELS_BY_CHIP`): the headline model's expert shapes (Qwen3-30B-A3B) and those
 of benchmarks/ragged_survey.py's models on which the heuristic tiling rated below 0.95
 of the roofline or behind XLA's ragged_dot on v6e (Mixtral-8x7B, Qwen3-235B-A22B,
 DeepSeek-V3); on v5e the first two only (the other two were not rated there for lack of
 time). Gate/up (gated, silu) and down, at m = 512 and 8192 rows (`ROWS`), and for the
-headline model 65536 too (`ROWS_BY_MODEL`), bf16.
+headline model 65536 too (`ROWS_BY_MODEL`), bf16. And with int8 and float8_e4m3fn
+weights (bf16 activations, weights [G, k, n] and their scale, as `quantize_experts_`
+stores them; the key's `weight_dtype`), the quantized decode rows whose heuristic tiling
+missed 0.85 of the quantized roofline: Mixtral-8x7B at m = 512 on both chips
+(`QUANTIZED_ROWS_BY_MODEL`). There the heuristic stays under the default scoped-VMEM
+limit and takes narrow n blocks, and the activations are re-read once per n block.
 
 Two routings. The headline rates the kernel at *balanced* routing: every group m / G
 rows, aligned with the row tiles. Real routing is not aligned: a group boundary inside
@@ -84,6 +90,12 @@ CHIPS = tuple(MODELS_BY_CHIP)
 ROWS = (512, 8192)
 # The headline model also at a long prefill's rows (8192 tokens x top-8 experts).
 ROWS_BY_MODEL = {"qwen3-30b-a3b": (512, 8192, 65536)}
+# 1-byte weights (bf16 activations, [G, k, n] as quantize_experts_ stores them): the
+# quantized decode rows whose heuristic tiling missed 0.85 of the quantized roofline
+# (docs/performance.md, "Quantized decode"), on both chips.
+QUANTIZED_DTYPES = ("int8", "float8_e4m3fn")
+QUANTIZED_ROWS_BY_MODEL = {"mixtral-8x7b": (512,)}
+WEIGHT_DTYPES = ("bfloat16",) + QUANTIZED_DTYPES
 STEP_CYCLES = 600     # rough cost of one grid step; only ranks candidates for rating
 TOP_RATED = 3
 MIN_GAIN = 0.01
@@ -91,6 +103,8 @@ WORKERS = 2           # ratings in parallel (each compile is single-threaded)
 RETRY_MEMORY_BYTES = 20 << 30   # --retry-failed: one rating at a time may take more
 TABLE_ABOUT = [
     "Forward grouped-matmul blocks (block_m, block_k, block_n) per key.",
+    "A key whose weight_dtype is not its dtype is a call with int8 / float8_e4m3fn weights "
+    "[G, k, n] and their float32 scale, bf16 activations (as quantize_experts_ stores them).",
     "Each rated candidate has two predictions, max(cycles / clock, bytes moved / HBM "
     "bandwidth), from libtpu's static estimate (benchmarks/ragged_estimate.py): at balanced "
     "routing (groups aligned with the row tiles, as the headline rates) and at unaligned "
@@ -104,27 +118,38 @@ TABLE_ABOUT = [
 ]
 
 
-def grid(chips_: tuple[str, ...] = CHIPS, models: tuple[str, ...] = MODELS) -> list[R.TuningKey]:
-  """The keys of `chips_` x `models` that MODELS_BY_CHIP tunes."""
+def grid(chips_: tuple[str, ...] = CHIPS, models: tuple[str, ...] = MODELS,
+         weight_dtypes: tuple[str, ...] = WEIGHT_DTYPES) -> list[R.TuningKey]:
+  """The keys of `chips_` x `models` x `weight_dtypes` that MODELS_BY_CHIP (bf16) and
+  QUANTIZED_ROWS_BY_MODEL (1-byte weights, every chip) tune."""
   keys = []
   for chip in chips_:
-    for model in (m for m in models if m in MODELS_BY_CHIP[chip]):
+    for model in models:
       groups, hidden, width = ragged_survey.MODELS[model]
-      for m in ROWS_BY_MODEL.get(model, ROWS):
-        keys.append(R.TuningKey(chip, "bfloat16", 2, m, hidden, width, groups))   # gate/up
-        keys.append(R.TuningKey(chip, "bfloat16", 1, m, width, hidden, groups))   # down
+      for wdt in weight_dtypes:
+        if wdt == "bfloat16":
+          rows = ROWS_BY_MODEL.get(model, ROWS) if model in MODELS_BY_CHIP[chip] else ()
+        else:
+          rows = QUANTIZED_ROWS_BY_MODEL.get(model, ())
+        for m in rows:
+          keys.append(R.TuningKey(chip, "bfloat16", wdt, 2, m, hidden, width, groups))  # gate/up
+          keys.append(R.TuningKey(chip, "bfloat16", wdt, 1, m, width, hidden, groups))  # down
   return keys
 
 
 def case(key: R.TuningKey, blocks: tuple[int, int, int] | None = None):
+  """The key's call at balanced routing: bf16 weights [G, n, k] (Transformers' layout),
+  1-byte weights [G, k, n] with their scale (quantize_experts_'s)."""
+  quantized = key.weight_dtype != key.dtype
   return ragged_estimate.GmmCase(key.m_bucket, key.num_groups, key.k, key.n,
                                  key.num_rhs == 2, chip=key.chip, dtype=key.dtype,
-                                 blocks=blocks)
+                                 blocks=blocks, weight_dtype=key.weight_dtype,
+                                 transpose_rhs=not quantized)
 
 
 def candidates(key: R.TuningKey) -> list[tuple[int, int, int]]:
   """Every block triple the kernel accepts for the key's shape within the ceiling."""
-  dt = jnp.dtype(key.dtype)
+  dt, wdt = jnp.dtype(key.dtype), jnp.dtype(key.weight_dtype)
   sub = vmem.sublane_multiple(dt)
   chip = chips.get_chip(key.chip)
   budget = vmem.vmem_budget(chip, chip.max_vmem_limit_bytes)
@@ -139,7 +164,7 @@ def candidates(key: R.TuningKey) -> list[tuple[int, int, int]]:
     for bk in block_ks:
       for bn in block_ns:
         t = R.gmm_tiling(key.m_bucket, key.k, key.n, num_groups=key.num_groups, lhs_dtype=dt,
-                         rhs_dtype=dt, out_dtype=dt, num_rhs=key.num_rhs,
+                         rhs_dtype=wdt, out_dtype=dt, num_rhs=key.num_rhs,
                          n_must_divide=n_divides, chip=key.chip, block_m=bm, block_k=bk,
                          block_n=bn)
         if t.vmem_plan_bytes <= budget:
@@ -164,11 +189,13 @@ def modelled_bytes(key: R.TuningKey, blocks: tuple[int, int, int], visits: int) 
   with k split, both at every visit. All of it per n tile, except a lone lhs block,
   fetched once."""
   bm, bk, bn = blocks
-  item = jnp.dtype(key.dtype).itemsize
+  item, w_item = jnp.dtype(key.dtype).itemsize, jnp.dtype(key.weight_dtype).itemsize
   tiles_m, tiles_k, tiles_n = -(-key.m_bucket // bm), -(-key.k // bk), -(-key.n // bn)
   lhs_fetches, rhs_fetches = (tiles_m, key.num_groups) if tiles_k == 1 else (visits, visits)
   lhs = lhs_fetches * bm * tiles_k * bk * item
-  rhs = rhs_fetches * key.num_rhs * tiles_k * bk * bn * item
+  rhs = rhs_fetches * key.num_rhs * tiles_k * bk * bn * w_item
+  if key.weight_dtype != key.dtype:   # a group's f32 scale row: once per group (any k split)
+    rhs += key.num_groups * key.num_rhs * bn * 4
   out = tiles_m * bm * bn * item
   if tiles_m == 1 and tiles_k == 1:
     return lhs + tiles_n * (rhs + out)
@@ -276,7 +303,9 @@ def summary(rows: list[dict]) -> list[str]:
     entry = table.get(key)
     tuned = (efficiency(next(r for r in mine if tuple(r["blocks"]) == entry)) if entry
              else "no entry")
-    lines.append(f"| {key.chip} | {model} | {key.m_bucket} | {'gate/up' if gate_up else 'down'} "
+    part = ("gate/up" if gate_up else "down") + (
+        f" {key.weight_dtype}" if key.weight_dtype != key.dtype else "")
+    lines.append(f"| {key.chip} | {model} | {key.m_bucket} | {part} "
                  f"| {heuristic} | {tuned} | {entry or ''} |")
   return lines
 
@@ -319,6 +348,8 @@ def main(argv=None) -> int:
                       "RETRY_MEMORY_BYTES (the estimator exhausts memory on some blocks)")
   p.add_argument("--models", nargs="+", default=list(MODELS),
                  help="re-rate these models' keys; the log's rows for the others are kept")
+  p.add_argument("--weight-dtypes", nargs="+", default=list(WEIGHT_DTYPES),
+                 choices=WEIGHT_DTYPES, help="re-rate the keys of these weight dtypes only")
   p.add_argument("--summary", action="store_true",
                  help="print the efficiency table of the log's ratings (docs/performance.md's) and exit")
   a = p.parse_args(argv)
@@ -340,7 +371,8 @@ def main(argv=None) -> int:
                            RETRY_MEMORY_BYTES) for r in tuning.read_log(a.log)]
     tuning.write_log(a.log, rows)
   else:
-    jobs = [(key, blocks, i == 0) for key in grid(tuple(a.chips), tuple(a.models))
+    jobs = [(key, blocks, i == 0)
+            for key in grid(tuple(a.chips), tuple(a.models), tuple(a.weight_dtypes))
             for i, blocks in enumerate(to_rate(key))]
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
       new_rows = list(pool.map(lambda job: _rate_in_child(*job), jobs))

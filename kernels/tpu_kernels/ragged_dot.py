@@ -217,7 +217,8 @@ class TuningKey:
   """The bucket of a forward call shape in the tuning table (tuned/ragged_dot.<chip>.json)."""
 
   chip: str
-  dtype: str          # the one dtype of lhs, weights and output
+  dtype: str          # lhs and output
+  weight_dtype: str   # dtype, or int8 / float8_e4m3fn (with a scale)
   num_rhs: int        # 2: the gated gate/up (two weight column sets); 1: plain
   m_bucket: int       # rows rounded up to a power of two
   k: int
@@ -226,18 +227,19 @@ class TuningKey:
 
 
 TUNED_VALUE_FIELDS = ("block_m", "block_k", "block_n")
-# {(chip, dtype, num_rhs, m_bucket, k, n, num_groups): (block_m, block_k, block_n)}
+# {(chip, dtype, weight_dtype, num_rhs, m_bucket, k, n, num_groups): (block_m, block_k, block_n)}
 TUNED_BLOCKS = tuning_tables.load("ragged_dot", TuningKey, TUNED_VALUE_FIELDS)
 
 
 def tuning_key(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs,
                chip) -> TuningKey | None:
-  """The table key of a forward call, or None when its dtypes differ (quantized weights,
-  f32 outputs of a bf16 matmul: the heuristic decides those)."""
-  names = {np.dtype(d).name for d in (lhs_dtype, rhs_dtype, out_dtype)}
-  if len(names) != 1:
+  """The table key of a forward call, or None when the output's dtype is not lhs's (f32
+  outputs of a bf16 matmul: the heuristic decides those) or the weights' dtype is neither
+  lhs's nor a quantized one."""
+  lhs, rhs, out = (np.dtype(d).name for d in (lhs_dtype, rhs_dtype, out_dtype))
+  if out != lhs or (rhs != lhs and rhs not in {np.dtype(d).name for d in QUANTIZED_DTYPES}):
     return None
-  return TuningKey(chips.get_chip(chip).name, names.pop(), num_rhs, _next_pow2(m), k, n,
+  return TuningKey(chips.get_chip(chip).name, lhs, rhs, num_rhs, _next_pow2(m), k, n,
                    num_groups)
 
 

@@ -112,7 +112,8 @@ def test_quantized_weights_with_a_k_tail_compile(weight_dtype, chip):
 
 
 def _tuned_program(entry) -> Program:
-  """The forward program of the entry's key: its model's projection (weights (G, out, in),
+  """The forward program of the entry's key: its model's projection (bf16 weights
+  (G, out, in), 1-byte ones (G, in, out) with a scale, as quantize_experts_ stores them;
   concatenated gate/up, silu) at the bucket's rows."""
   key = R.TuningKey(*entry)
   gated = key.num_rhs == 2
@@ -120,7 +121,7 @@ def _tuned_program(entry) -> Program:
   model = Model(f"tuned G={key.num_groups} H={hidden} I={width}", key.num_groups, hidden,
                 width, True, "concatenated", "silu", False)
   return Program(model, key.m_bucket, "gate_up" if gated else "down", "fwd",
-                 weight_dtype=key.dtype, dtype=key.dtype)
+                 weight_dtype=key.weight_dtype, dtype=key.dtype)
 
 
 @pytest.mark.parametrize("entry", sorted(R.TUNED_BLOCKS),

@@ -21,7 +21,8 @@ BF16 = jnp.bfloat16
 
 def _tiling(key: R.TuningKey, m: int, **blocks) -> R.Tiling:
   dt = jnp.dtype(key.dtype)
-  return R.gmm_tiling(m, key.k, key.n, num_groups=key.num_groups, lhs_dtype=dt, rhs_dtype=dt,
+  return R.gmm_tiling(m, key.k, key.n, num_groups=key.num_groups, lhs_dtype=dt,
+                      rhs_dtype=jnp.dtype(key.weight_dtype),
                       out_dtype=dt, num_rhs=key.num_rhs,
                       n_must_divide=key.n if key.num_rhs == 2 else None, chip=key.chip,
                       **blocks)
@@ -30,7 +31,7 @@ def _tiling(key: R.TuningKey, m: int, **blocks) -> R.Tiling:
 def test_the_table_covers_the_shapes_the_survey_found_slow():
   """Mixtral-8x7B's prefill down projection rated 0.40 of the roofline with the heuristic
   tiles (benchmarks/results/ragged_survey.jsonl): the tuner's winner must be in the table."""
-  assert ("v6e", "bfloat16", 1, 8192, 14336, 4096, 8) in TABLE
+  assert ("v6e", "bfloat16", "bfloat16", 1, 8192, 14336, 4096, 8) in TABLE
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
@@ -38,7 +39,7 @@ def test_the_table_covers_the_headline_prefill(chip):
   """Qwen3-30B-A3B's experts at m=8192 with the heuristic tiles rated 0.51-0.57 of the
   roofline at unaligned routing on both chips (benchmarks/results/ragged_tuning.jsonl)."""
   for num_rhs, k, n in [(2, 2048, 768), (1, 768, 2048)]:
-    assert (chip, "bfloat16", num_rhs, 8192, k, n, 128) in TABLE
+    assert (chip, "bfloat16", "bfloat16", num_rhs, 8192, k, n, 128) in TABLE
 
 
 @pytest.mark.parametrize("entry", sorted(TABLE), ids=lambda e: "-".join(map(str, e)))
@@ -46,8 +47,8 @@ def test_every_key_is_produced_by_the_lookup(entry):
   """The key's own shape, and a row count inside its bucket, map back to it."""
   key = R.TuningKey(*entry)
   for m in (key.m_bucket, key.m_bucket // 2 + 1):
-    assert R.tuning_key(m, key.k, key.n, num_groups=key.num_groups, lhs_dtype=BF16,
-                        rhs_dtype=BF16, out_dtype=BF16, num_rhs=key.num_rhs,
+    assert R.tuning_key(m, key.k, key.n, num_groups=key.num_groups, lhs_dtype=key.dtype,
+                        rhs_dtype=key.weight_dtype, out_dtype=key.dtype, num_rhs=key.num_rhs,
                         chip=key.chip) == key
 
 
@@ -72,7 +73,7 @@ def _blocks(t: R.Tiling) -> tuple[int, int, int]:
 
 
 def test_outside_the_table_the_heuristic_decides():
-  key = R.TuningKey("v6e", "bfloat16", 1, 8192, 14336, 4096, 8)
+  key = R.TuningKey("v6e", "bfloat16", "bfloat16", 1, 8192, 14336, 4096, 8)
   with mock.patch.dict(R.TUNED_BLOCKS, clear=True):
     want = _tiling(key, 8192)
   with mock.patch.dict(R.TUNED_BLOCKS, {dataclasses.astuple(key): (64, 256, 256)}):
@@ -80,11 +81,16 @@ def test_outside_the_table_the_heuristic_decides():
     # Explicit blocks or a limit from the caller bypass the table.
     assert _blocks(_tiling(key, 8192, block_m=128)) != (64, 256, 256)
     assert _blocks(_tiling(key, 8192, vmem_limit_bytes=32 * vmem.MiB)) == _blocks(want)
-    # Another bucket of m, another chip, or mixed dtypes (int8 weights) miss the key.
+    # Another bucket of m, another chip, or another weight dtype miss the key; an output
+    # dtype other than lhs's (the f32 pre-activation of XLA's gate) has no key at all.
     assert _blocks(_tiling(key, 2048)) != (64, 256, 256)
     assert _blocks(_tiling(dataclasses.replace(key, chip="v5e"), 8192)) != (64, 256, 256)
+    assert _blocks(_tiling(dataclasses.replace(key, weight_dtype="int8"), 8192)) != (64, 256, 256)
     assert R.tuning_key(8192, key.k, key.n, num_groups=8, lhs_dtype=BF16, rhs_dtype=jnp.int8,
-                        out_dtype=BF16, num_rhs=1, chip="v6e") is None
+                        out_dtype=BF16, num_rhs=1, chip="v6e") == dataclasses.replace(
+                            key, weight_dtype="int8")
+    assert R.tuning_key(8192, key.k, key.n, num_groups=8, lhs_dtype=BF16, rhs_dtype=BF16,
+                        out_dtype=jnp.float32, num_rhs=1, chip="v6e") is None
   # 384 is not a block the kernel takes (above 256 it cuts lanes in multiples of 256):
   # the entry is ignored.
   with mock.patch.dict(R.TUNED_BLOCKS, {dataclasses.astuple(key): (64, 256, 384)}):
@@ -136,7 +142,7 @@ def test_summary_rates_against_the_roofline_and_is_the_performance_page_table():
   docs/performance.md's table is its output for the shipped log, one row per tuned key."""
   import tune_ragged_dot as T
   import tuning
-  key = R.TuningKey("v6e", "bfloat16", 1, 8192, 768, 2048, 128)
+  key = R.TuningKey("v6e", "bfloat16", "bfloat16", 1, 8192, 768, 2048, 128)
   c, gmm = chips.get_chip(key.chip), T.case(key)
   roofline_us = max(gmm.flops() / c.bf16_flops_per_s, gmm.min_bytes() / c.hbm_bytes_per_s) * 1e6
 

@@ -83,20 +83,22 @@ class _MetadataTable:
     return self._table[field, v]
 
 
-@pytest.mark.parametrize("num_rhs, m, k, n, groups", [
-    (1, 512, 1024, 768, 8),      # rows per group above and below block_m; k split or not
-    (2, 512, 1024, 768, 8),
-    (1, 256, 512, 512, 32),
-    (2, 64, 2048, 256, 4),
-    (1, 1024, 384, 640, 16),     # padded last k and n blocks
+@pytest.mark.parametrize("num_rhs, m, k, n, groups, weight_dtype", [
+    (1, 512, 1024, 768, 8, "bfloat16"),  # rows per group above and below block_m; k split or not
+    (2, 512, 1024, 768, 8, "bfloat16"),
+    (1, 256, 512, 512, 32, "bfloat16"),
+    (2, 64, 2048, 256, 4, "bfloat16"),
+    (1, 1024, 384, 640, 16, "bfloat16"),  # padded last k and n blocks
+    (1, 512, 1024, 768, 8, "int8"),       # 1-byte weights and their f32 scale rows
+    (2, 64, 2048, 256, 4, "float8_e4m3fn"),
 ])
-def test_tuner_traffic_model_equals_the_replay(num_rhs, m, k, n, groups):
+def test_tuner_traffic_model_equals_the_replay(num_rhs, m, k, n, groups, weight_dtype):
   """benchmarks/tune_ragged_dot.py ranks candidates by a closed form of the bytes the grid
   moves: it must equal the step-by-step replay of the index maps, for every candidate, at
   balanced routing and at unaligned routing (the real visit table of group sizes whose
   every boundary falls inside a row tile)."""
   import tune_ragged_dot as T
-  key = R.TuningKey("v6e", "bfloat16", num_rhs, m, k, n, groups)
+  key = R.TuningKey("v6e", "bfloat16", weight_dtype, num_rhs, m, k, n, groups)
   candidates = T.candidates(key)
   assert len(candidates) > 10
   assert any(-(-k // bk) > 1 for _, bk, _ in candidates)       # some split k

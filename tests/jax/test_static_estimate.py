@@ -78,7 +78,7 @@ def test_v5e_estimator_rates_a_k_tail():
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import tune_ragged_dot as T
   from tpu_kernels import ragged_dot as R
-  key = R.TuningKey("v5e", "bfloat16", 2, 512, 2048, 768, 128)
+  key = R.TuningKey("v5e", "bfloat16", "bfloat16", 2, 512, 2048, 768, 128)
   row = T._rate_in_child(key, (64, 768, 256), heuristic=False)   # 2048 = 2 x 768 + 512
   assert "error" not in row, row["error"]
   assert row["balanced"]["estimated_cycles"] > 0
