@@ -93,9 +93,8 @@ ROWS_BY_MODEL = {"qwen3-30b-a3b": (512, 8192, 65536)}
 # 1-byte weights (bf16 activations, [G, k, n] as quantize_experts_ stores them): the
 # quantized decode rows whose heuristic tiling missed 0.85 of the quantized roofline
 # (docs/performance.md, "Quantized decode"), on both chips.
-QUANTIZED_DTYPES = ("int8", "float8_e4m3fn")
 QUANTIZED_ROWS_BY_MODEL = {"mixtral-8x7b": (512,)}
-WEIGHT_DTYPES = ("bfloat16",) + QUANTIZED_DTYPES
+WEIGHT_DTYPES = ("bfloat16",) + R.QUANTIZED_DTYPE_NAMES
 STEP_CYCLES = 600     # rough cost of one grid step; only ranks candidates for rating
 TOP_RATED = 3
 MIN_GAIN = 0.01
@@ -140,11 +139,10 @@ def grid(chips_: tuple[str, ...] = CHIPS, models: tuple[str, ...] = MODELS,
 def case(key: R.TuningKey, blocks: tuple[int, int, int] | None = None):
   """The key's call at balanced routing: bf16 weights [G, n, k] (Transformers' layout),
   1-byte weights [G, k, n] with their scale (quantize_experts_'s)."""
-  quantized = key.weight_dtype != key.dtype
   return ragged_estimate.GmmCase(key.m_bucket, key.num_groups, key.k, key.n,
                                  key.num_rhs == 2, chip=key.chip, dtype=key.dtype,
                                  blocks=blocks, weight_dtype=key.weight_dtype,
-                                 transpose_rhs=not quantized)
+                                 transpose_rhs=not key.quantized)
 
 
 def candidates(key: R.TuningKey) -> list[tuple[int, int, int]]:
@@ -194,7 +192,7 @@ def modelled_bytes(key: R.TuningKey, blocks: tuple[int, int, int], visits: int) 
   lhs_fetches, rhs_fetches = (tiles_m, key.num_groups) if tiles_k == 1 else (visits, visits)
   lhs = lhs_fetches * bm * tiles_k * bk * item
   rhs = rhs_fetches * key.num_rhs * tiles_k * bk * bn * w_item
-  if key.weight_dtype != key.dtype:   # a group's f32 scale row: once per group (any k split)
+  if key.quantized:   # a group's f32 scale row: once per group (any k split)
     rhs += key.num_groups * key.num_rhs * bn * 4
   out = tiles_m * bm * bn * item
   if tiles_m == 1 and tiles_k == 1:
@@ -304,7 +302,7 @@ def summary(rows: list[dict]) -> list[str]:
     tuned = (efficiency(next(r for r in mine if tuple(r["blocks"]) == entry)) if entry
              else "no entry")
     part = ("gate/up" if gate_up else "down") + (
-        f" {key.weight_dtype}" if key.weight_dtype != key.dtype else "")
+        f" {key.weight_dtype}" if key.quantized else "")
     lines.append(f"| {key.chip} | {model} | {key.m_bucket} | {part} "
                  f"| {heuristic} | {tuned} | {entry or ''} |")
   return lines

@@ -72,6 +72,7 @@ from . import vmem
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16)
 QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
+QUANTIZED_DTYPE_NAMES = tuple(np.dtype(d).name for d in QUANTIZED_DTYPES)
 SUPPORTED_ACTIVATIONS = ("identity", "silu", "gelu_tanh", "gelu", "relu", "relu2")
 # Gated epilogues beyond act(gate) * up, both with a clamp `limit`: gpt-oss's, and the
 # clamped SwiGLU of DeepSeek-V4, GLM-5-Next and HY-V4 (see `gated`).
@@ -225,6 +226,11 @@ class TuningKey:
   n: int              # output columns per weight column set (I for gate/up)
   num_groups: int     # local groups
 
+  @property
+  def quantized(self) -> bool:
+    """1-byte weights with a scale (bf16 activations and output)."""
+    return self.weight_dtype != self.dtype
+
 
 TUNED_VALUE_FIELDS = ("block_m", "block_k", "block_n")
 # {(chip, dtype, weight_dtype, num_rhs, m_bucket, k, n, num_groups): (block_m, block_k, block_n)}
@@ -237,7 +243,7 @@ def tuning_key(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs,
   outputs of a bf16 matmul: the heuristic decides those) or the weights' dtype is neither
   lhs's nor a quantized one."""
   lhs, rhs, out = (np.dtype(d).name for d in (lhs_dtype, rhs_dtype, out_dtype))
-  if out != lhs or (rhs != lhs and rhs not in {np.dtype(d).name for d in QUANTIZED_DTYPES}):
+  if out != lhs or (rhs != lhs and rhs not in QUANTIZED_DTYPE_NAMES):
     return None
   return TuningKey(chips.get_chip(chip).name, lhs, rhs, num_rhs, _next_pow2(m), k, n,
                    num_groups)
