@@ -170,9 +170,10 @@ def _kernel_part(gmm: RoutedGmm, case: headline.ExpertsLayer, rate_gmm: Callable
               tiling=r["tiling"], probe_table=dict(hit=table.hit, rows_per_expert=table.rows))
 
 
-def glue_programs(case: headline.ExpertsLayer) -> dict[str, tuple[Callable, list]]:
-  """route, combine (and gpt-oss's XLA gate at decode) as moe_experts calls them, with
-  their argument specs."""
+def glue_programs(case: headline.ExpertsLayer,
+                  chip: str) -> dict[str, tuple[Callable, list]]:
+  """route, combine (and gpt-oss's XLA gate at decode) as moe_experts calls them on the
+  chip, with their argument specs."""
   dt = jnp.dtype(case.dtype)
   s = case.rows
   route = lambda hidden, ids: moe.route(hidden, ids, case.experts)
@@ -188,7 +189,7 @@ def glue_programs(case: headline.ExpertsLayer) -> dict[str, tuple[Callable, list
   }
   if gate_up_route(case) == "xla_gate":   # ragged_dot._forward's gating after the kernel
     epilogue = R.Epilogue(activation=case.activation, gated=True)
-    gate = lambda z: epilogue(*R._split_columns(z, case.layout, case.width, 1)).astype(dt)
+    gate = lambda z: epilogue(*R._gated_halves(z, case.layout, case.width, chip)).astype(dt)
     programs["gate (XLA, after the gate/up kernel)"] = (gate, [
         jax.ShapeDtypeStruct((s, 2 * case.width), jnp.float32)])
   return programs
@@ -255,7 +256,7 @@ def rate_part(case: headline.ExpertsLayer, chip: str, part: str, fallback: bool)
       rated["method"] += (f"; rated at {gmm.m} rows (the estimator aborts on this chip at "
                           f"{case.rows})")
     return rated
-  fn, specs = glue_programs(case)[part]
+  fn, specs = glue_programs(case, chip)[part]
   return glue_cost_analysis(fn, specs, chip) if fallback else _glue_part(fn, specs, chip)
 
 
@@ -281,7 +282,7 @@ def _part_in_child(case: headline.ExpertsLayer, chip: str, part: str) -> dict:
 def rate(case: headline.ExpertsLayer, chip: str) -> dict:
   """The partial row of estimate.py for our whole layer; every part in its own child."""
   c = chips.get_chip(chip)
-  names = list(gmms(case, chip)) + list(glue_programs(case))
+  names = list(gmms(case, chip)) + list(glue_programs(case, chip))
   parts = {name: _part_in_child(case, chip, name) for name in names}
   for p in parts.values():
     p["compute_us"] = p["cycles"] / c.clock_hz * 1e6

@@ -172,7 +172,9 @@ def _row_block(m: int, num_groups: int, sublanes: int, block_m: int | None) -> i
 def _lane_block_candidates(size: int, fixed: int | None, must_divide: int | None):
   """Block sizes along a lane-mapped axis, largest first: the whole axis, then
   multiples of 256 (then 128) below it that leave at most 1/8 of the last block empty
-  (a padded block moves and multiplies padding); with `must_divide`, only its divisors."""
+  (a padded block moves and multiplies padding); where no multiple of 256 below the axis
+  divides it (gpt-oss's 5760 = 22.5 x 256), also the multiples of 128 that do (1152,
+  1920, ...); with `must_divide`, only its divisors."""
   if fixed is not None:
     if fixed < size and fixed % 128:
       raise ValueError(f"a block of {fixed} along an axis of {size} must be a multiple of 128")
@@ -181,8 +183,9 @@ def _lane_block_candidates(size: int, fixed: int | None, must_divide: int | None
   if must_divide is None and size <= MAX_BLOCK_K:
     cands.append(size)
   top = min(vmem.round_down(size, 128), MAX_BLOCK_K)
+  wide_divides = any(size % c == 0 for c in range(_LANE_STEP, top + 1, _LANE_STEP))
   for b in range(top, 127, -128):
-    if b % _LANE_STEP and b > _LANE_STEP:
+    if b % _LANE_STEP and b > _LANE_STEP and (size % b or wide_divides):
       continue
     if must_divide is not None and must_divide % b:
       continue
@@ -196,8 +199,13 @@ def _lane_block_candidates(size: int, fixed: int | None, must_divide: int | None
 def _best_blocks(bm_cands, k_cands, n_cands, n, plan, budget, whole_k=None):
   """The largest block_m with any (block_k, block_n) in budget; among those, block_n at
   least one MXU width (256) where n allows, then (with `whole_k`, the k of 1-byte weights)
-  a block_k that divides it, then the largest block_k * block_n (fewer grid steps, more
-  MXU work per byte), then the larger block_k (fewer weight refetches).
+  a block_k that divides it, then the fewest padded columns (round_up(n, block_n)), then
+  the largest block_k * block_n (fewer grid steps, more MXU work per byte), then the
+  larger block_k (fewer weight refetches).
+
+  Why padding before size: a padded last block is fetched and multiplied whole. gpt-oss's
+  gate/up (n = 5760, the experts layer's float32-out call at T=64, v6e) rates 655 us at
+  block_n 1152 (5 whole blocks) against 728 at 1280 (5 blocks, the last half empty).
 
   Why whole_k: a partial last k block is masked (a select on the lhs and the weight
   block, `_gmm_kernel`) and splits the dot. For 1-byte weights, whose blocks are cheap to
@@ -208,6 +216,7 @@ def _best_blocks(bm_cands, k_cands, n_cands, n, plan, budget, whole_k=None):
     if fits:
       wide = min(_LANE_STEP, n)
       bk, bn = max(fits, key=lambda c: (c[1] >= wide, whole_k is None or whole_k % c[0] == 0,
+                                        -vmem.round_up(n, c[1]),
                                         c[0] * c[1], c[0]))
       return bm, bk, bn
   return None
@@ -732,6 +741,10 @@ def _tgmm(lhs, dz, group_sizes, group_offset, *, num_local_groups, out_dtype, st
   )(table, lhs, dz)
 
 
+# From this many rows v5e's static estimate rates the strided gate ahead (`_gated_halves`).
+_V5E_STRIDED_GATE_MIN_ROWS = 128
+
+
 def _split_columns(a, layout, half, axis):
   """(gate, up) column sets of a [.., 2I ..] array along `axis` (a copy, in XLA)."""
   if layout == "interleaved":
@@ -741,6 +754,23 @@ def _split_columns(a, layout, half, axis):
     return a[tuple(gate_idx)], a[tuple(up_idx)]
   return (jax.lax.slice_in_dim(a, 0, half, axis=axis),
           jax.lax.slice_in_dim(a, half, 2 * half, axis=axis))
+
+
+def _gated_halves(z, layout, half, chip):
+  """(gate, up) of the gate/up kernel's float32 output z [S, 2I] (the "xla_gate" route), as
+  two [S, I] arrays for XLA to gate.
+
+  Interleaved columns go through the pair view [S, I, 2] -> [S, 2, I] where libtpu's
+  static estimate rates it ahead of two lane-strided slices (`_split_columns`): at every
+  row count rated on v6e (gpt-oss at S = 256: 42 against 220 us), and below
+  `_V5E_STRIDED_GATE_MIN_ROWS` on v5e. The rated cells: docs/performance.md, "The whole
+  experts layer".
+  """
+  if layout != "interleaved" or (chips.get_chip(chip).name == "v5e"
+                                 and z.shape[0] >= _V5E_STRIDED_GATE_MIN_ROWS):
+    return _split_columns(z, layout, half, 1)
+  pairs = z.reshape(z.shape[0], half, 2).transpose(0, 2, 1)
+  return pairs[:, 0], pairs[:, 1]
 
 
 def _join_columns(gate, up, layout):
@@ -794,7 +824,7 @@ def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
     z = _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st, epilogue=Epilogue(),
                  out_dtype=jnp.float32)
     # Rows of no local group stay 0: every gated unit maps (0, 0) to 0.
-    return epilogue(*_split_columns(z, st.layout, half, 1)).astype(out_dtype)
+    return epilogue(*_gated_halves(z, st.layout, half, st.chip)).astype(out_dtype)
   pairs = lambda a, axis: [] if a is None else list(zip(_split_columns(a, st.layout, half, axis),
                                                         (0, 0)))
   return _gmm(lhs, pairs(rhs, n_axis), pairs(scale, 1), pairs(bias, 1), group_sizes,

@@ -330,12 +330,41 @@ def test_decode_rows_get_small_tiles_and_prefill_large():
   assert decode.block_k == 2048   # whole k: weights fetched once per group
 
 
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_an_axis_no_multiple_of_256_divides_gets_a_whole_number_of_blocks(chip, out_dtype):
+  """gpt-oss's gate/up (n = 2I = 5760 = 22.5 x 256): the heuristic takes a multiple of 128
+  that divides n rather than leave the last block partly empty; an axis a multiple of 256
+  divides (Mixtral's 14336) keeps multiples of 256."""
+  t = K.gmm_tiling(64, 2880, 5760, num_groups=32, lhs_dtype=jnp.bfloat16,
+                   rhs_dtype=jnp.bfloat16, out_dtype=out_dtype, chip=chip)
+  assert 5760 % t.block_n == 0 and t.block_n >= 256
+  assert all(b % 256 == 0 or b in (128, 14336) for b in K._lane_block_candidates(14336, None, None))
+  assert {1152, 1920} <= set(K._lane_block_candidates(5760, None, None))
+
+
 def test_vmem_limit_is_passed_through():
   t = K.gmm_tiling(4096, 2048, 768, num_groups=8, lhs_dtype=jnp.bfloat16,
                    rhs_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip="v6e",
                    vmem_limit_bytes=64 * vmem.MiB)
   assert t.vmem_limit_bytes == 64 * vmem.MiB
   assert t.vmem_plan_bytes <= 32 * vmem.MiB
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+@pytest.mark.parametrize("rows", [4, K._V5E_STRIDED_GATE_MIN_ROWS - 1,
+                                  K._V5E_STRIDED_GATE_MIN_ROWS])
+@pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
+def test_gated_halves_are_the_gate_and_up_columns(chip, rows, layout):
+  """The xla_gate route's (gate, up) split, on either side of v5e's strided threshold,
+  equals the columns picked by index (a permutation: exact)."""
+  half = 6
+  z = np.arange(rows * 2 * half, dtype=np.float32).reshape(rows, 2 * half)
+  gate_cols = np.arange(0, 2 * half, 2) if layout == "interleaved" else np.arange(half)
+  gate, up = K._gated_halves(jnp.asarray(z), layout, half, chip)
+  np.testing.assert_array_equal(np.asarray(gate), z[:, gate_cols])
+  np.testing.assert_array_equal(np.asarray(up), z[:, gate_cols + (1 if layout == "interleaved"
+                                                                  else half)])
 
 
 @pytest.mark.parametrize("m, k, half, groups, fused", [
