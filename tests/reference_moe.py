@@ -4,7 +4,7 @@
                 (for the groups this shard owns); every other row, and every row past
                 sum(group_sizes), is zero.
     moe_experts: out[t] = sum_k w[t, k] * down_e(act_gate(gate_up_e(hidden[t])))
-                 with e = idx[t, k], skipping e >= num_experts; a per-token loop, no sort.
+                 with e = idx[t, k], skipping e outside [0, num_experts); a per-token loop, no sort.
 
 No kernel code, no sorting, no grouping: loops over groups and over tokens.
 """
@@ -104,7 +104,7 @@ def moe_experts(hidden, top_k_index, top_k_weights, gate_up_weight, down_weight,
   for t in range(x.shape[0]):
     for k in range(idx.shape[1]):
       e = idx[t, k]
-      if e >= num_experts:
+      if not 0 <= e < num_experts:
         continue
       a = x[t] @ gu[e]
       if gate_up_bias is not None:

@@ -99,6 +99,18 @@ def test_placeholder_ids_contribute_nothing():
   ref.assert_close(got, _reference(p, num_experts=4), **TOL["float32"])
 
 
+def test_negative_ids_contribute_nothing():
+  """A negative id (a dropped pair) adds nothing, like a placeholder: it sorts past the
+  groups instead of into the first one, and no group counts it."""
+  rng = np.random.default_rng(4)
+  p = _problem(rng, tokens=6, hidden=32, inter=16, experts=4, top_k=2, dtype="float32")
+  p["top_k_index"][1] = [-1, 2]
+  p["top_k_index"][3] = [-4, -1]   # a token with every pair dropped: output row 3
+  got = np.asarray(_run(p, num_experts=4))
+  assert np.all(got[3] == 0)
+  ref.assert_close(got, _reference(p, num_experts=4), **TOL["float32"])
+
+
 def test_all_pairs_on_one_expert_and_empty_experts():
   rng = np.random.default_rng(1)
   p = _problem(rng, tokens=5, hidden=16, inter=8, experts=5, top_k=1, dtype="float32")
