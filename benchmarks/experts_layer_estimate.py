@@ -25,13 +25,15 @@ tiles - 1 more).
 Glue (route, combine; for gpt-oss at decode also the XLA gate after a plain gate/up
 kernel, the "xla_gate" route its interleaved columns take): the same functions moe_experts
 calls, compiled for the chip with the static profile on: cycles from the estimate of every
-op, HBM bytes from XLA's own cost_analysis ("bytes accessed") of the same program. On v6e
-the estimator returns INT64_MAX for the offloaded scatter-add that counts group sizes: that
-op counts by its bytes only.
+op, HBM bytes from XLA's own cost_analysis ("bytes accessed") of the same program. An op
+the estimator returns INT64_MAX for (the offloaded scatter-add that counted group sizes
+until 2026-12-04, and still does in seed_prediction's grouped_mm glue) counts by its bytes
+only. cost_analysis counts a row gather's bytes many times over (59 MB for the 4 MB
+combine at T=64), so a gather-heavy part is rated by those bytes, an overestimate.
 
 Each part is rated in its own child process (the estimator aborts processes), with one
 fallback where it aborts: a kernel at 8 rows (v5e's LLO type check) is rated at 16 rows;
-a glue part (v5e: "Static LLO profiling of scatter_custom_fusion failed") by XLA's
+a glue part (v5e: "Static LLO profiling of gather_fusion failed") by XLA's
 cost_analysis, a lower bound (no per-op cost; ~1-2k cycles per op where the estimator
 sees them). Not modelled: gpt-oss's "split" route at prefill (NotImplementedError, a
 "not rated" row), gpt-oss's biases and its (E, k, n) weight layout (rated as (E, n, k)).
@@ -195,8 +197,8 @@ def glue_programs(case: headline.ExpertsLayer,
   return programs
 
 
-# The estimator's value for an op it cannot estimate: INT64_MAX (seen on the offloaded
-# scatter-add that counts the group sizes, `scatter_offload_custom_fusion`).
+# The estimator's value for an op it cannot estimate: INT64_MAX (seen on v6e's offloaded
+# scatter-add, `scatter_offload_custom_fusion`).
 UNESTIMATED = 2 ** 62
 
 
@@ -232,7 +234,7 @@ def _glue_part(fn, specs, chip: str) -> dict:
 
 def glue_cost_analysis(fn, specs, chip: str) -> dict:
   """A glue part by XLA's cost_analysis (no profile flag): where the static estimator
-  aborts on it (v5e: the scatters, "Unsupported DMA direction: 10 on VL/VLP")."""
+  aborts on it (v5e: gathers and scatters, "Unsupported DMA direction: 10 on VL/VLP")."""
   device = aot.topology_device(chip)
   compiled = jax.jit(fn).trace(*[aot._on_device(s, device) for s in specs]).lower().compile()
   cost = compiled.cost_analysis()
