@@ -280,6 +280,31 @@ def test_a_gate_reading_a_tensor_is_not_fused(ragged):
 # ------------------------------------------------------------------------ generic route
 
 
+@pytest.mark.parametrize("route", ["fused", "generic"])
+def test_negative_ids_are_placeholders(ragged, route):
+  """A negative id (a dropped pair) gives exactly what an expert-parallel placeholder id
+  gives (those are checked against Transformers above and below), on both routes: it
+  sorts past the groups, it is counted in none, and a token with only such ids is zero."""
+  from transformers.models.muse_spark.modeling_muse_spark import MuseSparkExperts
+  from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+  cls = MuseSparkExperts if route == "generic" else Qwen3MoeExperts
+  module = coverage.build_experts(cls, torch.float32)
+  assert ragged.experts_plan(module).route == route
+  hidden, index, weights, _ = coverage.experts_inputs(module, torch.float32)
+  placeholder = index.clone()
+  placeholder[0] = module.num_experts
+  placeholder[1, 0] = module.num_experts
+  negative = index.clone()
+  negative[0] = torch.tensor([-1, -module.num_experts - 3] + [-2] * (index.shape[1] - 2))
+  negative[1, 0] = -1
+  with torch.no_grad():
+    want = ragged.experts_forward(module, hidden, placeholder, weights)
+    got = ragged.experts_forward(module, hidden, negative, weights)
+  assert torch.all(got[0] == 0)
+  assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "int8"])
 def test_generic_route_with_placeholders_and_quantized_weights(ragged, quantized):
   """The generic route (a post-expert norm here) with expert-parallel placeholder ids

@@ -382,8 +382,9 @@ def _experts_generic(module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                      compute_dtype: torch.dtype) -> torch.Tensor:
   """The generic route: [T, H] in float32 (the caller casts).
 
-  Pairs (token, expert) sorted by expert id (stable; expert-parallel placeholder ids
-  >= num_experts sort to the tail, in no group, so they come out as zero rows), then
+  Pairs (token, expert) sorted by expert id (stable; ids outside [0, num_experts),
+  expert-parallel placeholders and negative ids of dropped pairs, sort to the tail, in no
+  group, so they come out as zero rows), then
   ragged_dot (gate/up, no epilogue) -> module._apply_gate or act_fn -> ragged_dot (down,
   float32) -> post_expert_norm (in the compute dtype, as eager applies it) -> routing
   weights (float32) -> token order -> sum over k.
@@ -392,9 +393,10 @@ def _experts_generic(module, hidden: torch.Tensor, top_k_index: torch.Tensor,
   tokens, top_k = top_k_index.shape
   transpose_rhs = not bool(getattr(module, "is_transposed", False))
   expert_ids = top_k_index.reshape(-1).to(torch.int64)
-  sorted_ids, perm = torch.sort(expert_ids, stable=True)
+  in_range = (expert_ids >= 0) & (expert_ids < num_experts)
+  sorted_ids, perm = torch.sort(torch.where(in_range, expert_ids, num_experts), stable=True)
   group_sizes = torch.zeros(num_experts + 1, dtype=torch.int32, device=hidden.device)
-  group_sizes = group_sizes.scatter_add(0, sorted_ids.clamp(max=num_experts),
+  group_sizes = group_sizes.scatter_add(0, sorted_ids,   # the last bin: out of range
                                         torch.ones_like(sorted_ids, dtype=torch.int32))
   group_sizes = group_sizes[:num_experts]
   x = hidden.to(compute_dtype)[perm // top_k]
@@ -422,9 +424,9 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
   has_post_expert_norm / post_expert_norm, gate_up_proj / up_proj, down_proj, their biases,
   and the scales `quantize_experts_` stores. `experts_plan(self)` says which route runs:
   fused (the gate in the kernel's epilogue) or generic (the module's own gate, activation
-  or post-expert norm in torch between two ragged_dot calls). Ids >= num_experts
-  (expert-parallel placeholders) contribute nothing. Differentiable on both routes.
-  Returns [T, H] in hidden_states' dtype.
+  or post-expert norm in torch between two ragged_dot calls). Ids outside [0, num_experts)
+  (expert-parallel placeholders, negative ids of dropped pairs) contribute nothing.
+  Differentiable on both routes. Returns [T, H] in hidden_states' dtype.
   """
   op = "experts_forward"
   has_gate = bool(getattr(self, "has_gate", True))
