@@ -21,11 +21,30 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 
+# Every venv: DIR PYTHON_VERSION LOCKFILE [NO_DEPS_PACKAGE] (see make_venv)
+VENVS=".venv 3.11 requirements.txt
+.venv-jax012 3.12 requirements-jax012.txt
+.venv-torchtpu 3.11 requirements-torchtpu.txt
+.venv-tokamax 3.11 requirements-tokamax.txt
+.venv-tokamax-jax012 3.12 requirements-tokamax-jax012.txt
+.venv-tpu-inference 3.12 requirements-tpu-inference.txt tpu-inference"
+
+venv_stamp() {  # venv_stamp LOCKFILE PYTHON_VERSION -> what DIR/.installed holds once installed
+  echo "$(sha256sum "$1" | cut -c1-16)-$2"
+}
+
+all_venvs_installed() {  # true when no make_venv call below has work to do
+  local dir version lock
+  while read -r dir version lock _; do
+    [[ -f "$dir/.installed" && "$(cat "$dir/.installed")" == "$(venv_stamp "$lock" "$version")" ]] || return 1
+  done <<< "$VENVS"
+}
+
 make_venv() {  # make_venv DIR PYTHON_VERSION LOCKFILE [NO_DEPS_PACKAGE]
   # NO_DEPS_PACKAGE: install the lock with --no-deps (it pins everything that runs); pip check
   # then tolerates that one package's declared requirements that the lock leaves out.
   local dir=$1 version=$2 lock=$3 no_deps=${4:-} python stamp problems
-  stamp="$(sha256sum "$lock" | cut -c1-16)-$version"
+  stamp=$(venv_stamp "$lock" "$version")
   if [[ -f "$dir/.installed" && "$(cat "$dir/.installed")" == "$stamp" ]]; then
     echo "== $dir is up to date ($lock)"
     return
@@ -46,12 +65,19 @@ make_venv() {  # make_venv DIR PYTHON_VERSION LOCKFILE [NO_DEPS_PACKAGE]
   echo "$stamp" > "$dir/.installed"
 }
 
-make_venv .venv 3.11 requirements.txt
-make_venv .venv-jax012 3.12 requirements-jax012.txt
-make_venv .venv-torchtpu 3.11 requirements-torchtpu.txt
-make_venv .venv-tokamax 3.11 requirements-tokamax.txt
-make_venv .venv-tokamax-jax012 3.12 requirements-tokamax-jax012.txt
-make_venv .venv-tpu-inference 3.12 requirements-tpu-inference.txt tpu-inference
+# The six venvs take about 11 GB, and pip unpacks each wheel in a temporary directory first. A
+# full disk otherwise shows up minutes in as pip's "[Errno 28] No space left on device" in
+# whichever venv it reached (a CI run failed that way on 2026-12-04).
+required_free_gb=14
+free_gb=$(( $(df --output=avail -k . | tail -1) / 1024 / 1024 ))
+if (( free_gb < required_free_gb )) && ! all_venvs_installed; then
+  echo "setup needs about $required_free_gb GB free for the venvs; $(pwd) has $free_gb GB" >&2
+  exit 1
+fi
+
+while read -r dir version lock no_deps <&3; do
+  make_venv "$dir" "$version" "$lock" $no_deps
+done 3<<< "$VENVS"
 
 echo "== main job (builds every kernel repo into dist/, then runs them)"
 without_libtpu_noise offline .venv/bin/python scripts/demo.py
