@@ -175,3 +175,27 @@ def test_one_byte_weights_get_a_block_k_that_divides_k(chip, m, k, n):
     assert t.vmem_plan_bytes <= t.vmem_limit_bytes
   if k == 14336 and chip == "v6e":
     assert k % R.gmm_tiling(m, k, n, rhs_dtype=BF16, **common).block_k   # a tail for bf16
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+@pytest.mark.parametrize("weights, out", [(BF16, BF16), (BF16, jnp.float32), (jnp.int8, BF16),
+                                          (jnp.float8_e4m3fn, BF16)],
+                         ids=["bf16", "bf16-f32-out", "int8", "fp8"])
+def test_an_n_that_every_lane_block_pads_takes_the_whole_weight(chip, weights, out):
+  """gpt-oss-20b's down at decode (n = 2880 = 22.5 x 128; m = 256 over 32 experts): no lane
+  block divides n, so each visit takes the whole weight under a raised limit, the tiling a
+  caller gets by asking for those blocks. Qwen3's down (n = 2048) keeps a dividing block and
+  the default limit; an n whose whole weight the chip cannot hold keeps the padded block."""
+  chip_ = chips.get_chip(chip)
+  common = dict(num_groups=32, lhs_dtype=BF16, rhs_dtype=weights, out_dtype=out, chip=chip)
+  t = R.gmm_tiling(256, 2880, 2880, **common)
+  assert _blocks(t) == (16, 2880, 2880)
+  assert chip_.default_scoped_vmem_bytes < t.vmem_limit_bytes <= chip_.max_vmem_limit_bytes
+  assert t.vmem_plan_bytes <= vmem.vmem_budget(chip_, t.vmem_limit_bytes)
+  assert R.gmm_tiling(256, 2880, 2880, block_m=t.block_m, block_k=2880, block_n=2880,
+                      **common) == t
+  dividing = R.gmm_tiling(256, 2880, 2048, **common)
+  assert 2048 % dividing.block_n == 0
+  assert dividing.vmem_limit_bytes == chip_.default_scoped_vmem_bytes
+  too_big = R.gmm_tiling(256, 8192, 4000, **common)
+  assert too_big.block_n < 4000 and too_big.vmem_limit_bytes == chip_.default_scoped_vmem_bytes
