@@ -72,6 +72,35 @@ def test_run_child_without_a_row_is_an_error(tmp_path):
   assert rows == [] and error == "no result: ValueError: bad tile"
 
 
+_V5E_ABORTING_CHILD = """
+    import os
+    if tuning.V5E_VMEM_MSA_OFF not in os.environ.get("LIBTPU_INIT_ARGS", "").split():
+      print("F1204 21:29:53.074693 2378 llo_dumper.cc:1585] Static LLO profiling of "
+            "ragged_dot.1 failed: INVALID_ARGUMENT: " + tuning.V5E_DMA_ABORT, file=sys.stderr)
+      sys.exit(-6)
+    tuning.print_row({"cycles": 1, "method": "static estimate"})
+    tuning.print_row({"cycles": 2})
+"""
+
+
+def test_run_child_retries_v5es_vmem_dma_abort_with_the_assignment_off(tmp_path):
+  rows, error = tuning.run_child(_script(tmp_path, _V5E_ABORTING_CHILD), [],
+                                 env={**os.environ, "LIBTPU_INIT_ARGS": "--some_flag=1"})
+  assert error is None
+  assert rows == [{"cycles": 1, "method": f"static estimate; {tuning.V5E_RETRY_NOTE}"},
+                  {"cycles": 2, "estimator_retry": tuning.V5E_RETRY_NOTE}]
+
+
+def test_run_child_reports_both_errors_when_the_retry_fails_too(tmp_path):
+  child = _script(tmp_path, """
+      print("F1204 llo_dumper.cc:1585] failed: " + tuning.V5E_DMA_ABORT, file=sys.stderr)
+      sys.exit(-6)
+  """)
+  rows, error = tuning.run_child(child, [])
+  assert rows == [] and error.count(tuning.V5E_DMA_ABORT) == 2
+  assert f"with {tuning.V5E_VMEM_MSA_OFF}" in error
+
+
 def test_run_child_timeout(tmp_path):
   child = _script(tmp_path, "import time\ntime.sleep(30)\n")
   rows, error = tuning.run_child(child, [], timeout=1)
