@@ -297,6 +297,17 @@ def _row_base(spec) -> dict:
               method=spec.method, note=spec.note, config=spec.config())
 
 
+def method_with_retries(method: str, truncated: list[dict]) -> str:
+  """`method`, plus the note of `tuning.run_child`'s v5e retry where a truncation needed it
+  (its cycles then come from a compile with XLA's VMEM memory-space assignment off)."""
+  retried = [t for t in truncated if "estimator_retry" in t]
+  if not retried:
+    return method
+  where = "" if len(retried) == len(truncated) else \
+      f" (at {len(retried)} of its {len(truncated)} truncations)"
+  return f"{method}; {retried[0]['estimator_retry']}{where}"
+
+
 def _rate(spec, chip: str) -> dict:
   """Shared driver: validate, compile the truncations in children, extrapolate."""
   from tpu_kernels import chips
@@ -319,6 +330,7 @@ def _rate(spec, chip: str) -> dict:
         pass
     return row
   row["truncated"] = [dict(trunc=json.loads(t), **r) for t, r in results.items()]
+  row["method"] = method_with_retries(row["method"], row["truncated"])
   row["compiled"] = True
   if any(r["kernels"] == 0 for r in results.values()):
     row["error"] = "no Mosaic kernel in the compiled program"

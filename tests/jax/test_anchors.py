@@ -336,3 +336,16 @@ def test_triangle_row_and_col_enumerate_the_lower_triangle():
     assert anchors.triangle_col(g, i) == j
     traced = anchors.triangle_row(jnp.int32(g), rows - 1)
     assert (int(traced), int(anchors.triangle_col(jnp.int32(g), traced))) == (i, j)
+
+
+def test_the_v5e_retry_is_named_in_the_anchors_method():
+  """A truncation rated by tuning.run_child's retry (XLA's VMEM memory-space assignment off)
+  puts its note in the row's method, saying at how many truncations where not all."""
+  import tuning
+  note = tuning.V5E_RETRY_NOTE
+  plain = [dict(trunc=[2], cycles=10), dict(trunc=[4], cycles=20)]
+  assert anchors.method_with_retries("m", plain) == "m"
+  both = [dict(t, estimator_retry=note) for t in plain]
+  assert anchors.method_with_retries("m", both) == f"m; {note}"
+  one = [plain[0], both[1]]
+  assert anchors.method_with_retries("m", one) == f"m; {note} (at 1 of its 2 truncations)"
