@@ -4,7 +4,8 @@
                 (for the groups this shard owns); every other row, and every row past
                 sum(group_sizes), is zero.
     moe_experts: out[t] = sum_k w[t, k] * down_e(act_gate(gate_up_e(hidden[t])))
-                 with e = idx[t, k], skipping e outside [0, num_experts); a per-token loop, no sort.
+                 with e = idx[t, k], skipping e outside [0, num_experts); a per-token
+                 loop, no sort.
 
 No kernel code, no sorting, no grouping: loops over groups and over tokens.
 """

@@ -49,7 +49,9 @@ other groups are masked out of both operands before lhs_tile.T @ dz_tile.
 Tiles come from the chip's VMEM budget (`gmm_tiling`, `tgmm_tiling`): the whole k
 in one block when it fits (weights are then fetched once per group and n tile),
 block_m near the mean group size (few wasted MXU rows at decode), block_n as large
-as the budget allows in multiples of 256 (the v6e MXU width). For the shapes in the
+as the budget allows in multiples of 256 (the v6e MXU width). Where every such block_n
+pads n (no multiple of 128 divides it: gpt-oss's 2880), a visit takes the whole weight
+instead, under a raised scoped-VMEM limit, if the chip holds it. For the shapes in the
 tuning tables (`tuned/ragged_dot.<chip>.json`, written by benchmarks/tune_ragged_dot.py from
 libtpu's static estimates) the forward takes the table's blocks instead.
 """
@@ -229,7 +231,7 @@ def _whole_weight_tiling(best, k, n, plan, chip) -> Tiling | None:
   Why: where no lane block in the default budget divides n, every visit fetches and
   multiplies a padded last block. gpt-oss's down (n = 2880 = 22.5 x 128) at T=64 on v6e,
   float32 out, rates 349.8 us at (16, 2880, 1024), 192 of its 3072 columns padding, against
-  326.3 at the whole weight (16, 2880, 2880), which needs a 72 MB limit. Only the whole
+  326.3 at the whole weight (16, 2880, 2880), which needs a 68 MiB limit. Only the whole
   weight: split-k tilings at the whole n rate worse than the padded one (375.9 - 407.9 us).
   """
   bm, _, bn = best
@@ -1026,7 +1028,8 @@ def gated_ragged_dot(lhs, rhs, group_sizes, *, activation="silu", layout="concat
   layout "concatenated": gate = the first I of the 2I columns, up = the last I;
   "interleaved" (gpt-oss): gate = even columns, up = odd. activation: one of
   GATED_ACTIVATIONS; "gpt_oss" is (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
-  with g = min(gate, limit); "clamped_silu" is silu(g) * clip(up, -limit, limit). rhs_scale and bias are (G_local, 2I) in rhs's column layout.
+  with g = min(gate, limit); "clamped_silu" is silu(g) * clip(up, -limit, limit).
+  rhs_scale and bias are (G_local, 2I) in rhs's column layout.
   Other arguments as in `ragged_dot`. Returns (m, I) in out_dtype.
   """
   n_full = rhs.shape[1] if transpose_rhs else rhs.shape[2]
