@@ -59,10 +59,25 @@ def topology_device(chip_name: str):
   return topologies.get_topology_desc(chip.aot_topology, "tpu").devices[0]
 
 
+class RowMajor(jax.ShapeDtypeStruct):
+  """An argument spec pinned to the row-major layout a Mosaic kernel's output has.
+
+  Left free, a program's parameter gets the TPU's preferred layout for its shape, which
+  for [256, 2880] float32 is column-major (256 pads less than 2880): XLA then copies it
+  into row-major for a kernel, and places that copy in VMEM, where libtpu's static
+  estimate aborts on the kernel's DMAs ("Unsupported DMA direction: 0 on GL/GLP"). A
+  program rated alone whose argument is a kernel's output in the real layer (the
+  combine's y, from the down kernel) gets the layout it has there."""
+
+
 def _on_device(spec, device):
+  from jax.experimental.layout import Format, Layout
   from jax.sharding import SingleDeviceSharding
 
-  return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=SingleDeviceSharding(device))
+  sharding = SingleDeviceSharding(device)
+  if isinstance(spec, RowMajor):
+    sharding = Format(Layout(major_to_minor=tuple(range(len(spec.shape)))), sharding)
+  return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding)
 
 
 def scoped_vmem_per_kernel(hlo_text: str) -> list[int]:

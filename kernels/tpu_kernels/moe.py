@@ -19,7 +19,9 @@ The same computation as Transformers' `grouped_mm_experts_forward`
      kernel). Without a gate (Nemotron-H): `ragged_dot(..., activation=act)`, [S, I].
   6. Down projection (`ragged_dot`) to [S, H], in float32.
   7. Restore the token order, multiply each row by its routing weight (float32), sum over
-     the K experts of each token in float32, and cast to hidden's dtype.
+     the K experts of each token in float32, and cast to hidden's dtype: one Pallas kernel
+     of row DMAs (`moe_combine.gather_weighted_sum`), XLA's gather where its VMEM plan
+     does not fit.
 
 Weight layouts (Transformers' experts modules):
   is_transposed=False: gate_up (E, 2I, H) [or up (E, I, H)], down (E, H, I)  -> transpose_rhs
@@ -35,10 +37,12 @@ Differentiable with jax.vjp w.r.t. hidden, top_k_weights, float weights and bias
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from . import chips, ragged_dot
+from . import chips, moe_combine, ragged_dot
 
 # The gate activation names moe_experts takes: the kernel's, plus the clamped gates
 # (gpt-oss's, and the clamped SwiGLU "clamped_silu").
@@ -110,7 +114,7 @@ def moe_experts(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Ar
   if y.shape[1] != hidden_size:
     raise ValueError(f"down_weight produces width {y.shape[1]}, hidden has {hidden_size}")
 
-  return combine(y, perm, top_k_weights).astype(hidden.dtype)            # step 7
+  return combine(y, perm, top_k_weights, out_dtype=hidden.dtype, **kernel_args)  # step 7
 
 
 # The glue around the two kernels, as functions of their own so that the static estimate of
@@ -139,15 +143,53 @@ def route(hidden: jax.Array, top_k_index: jax.Array, num_experts: int):
   return x, perm, group_sizes
 
 
-def combine(y: jax.Array, perm: jax.Array, top_k_weights: jax.Array) -> jax.Array:
+def combine(y: jax.Array, perm: jax.Array, top_k_weights: jax.Array, *,
+            out_dtype=jnp.float32, chip: str = chips.DEFAULT_CHIP,
+            interpret: bool = False) -> jax.Array:
   """Step 7: y [S, H] float32 (rows in expert order), perm [S] from `route`,
-  top_k_weights [T, K] -> [T, H] float32: back to token order, routing weights applied,
-  summed over the K experts of each token."""
+  top_k_weights [T, K] -> [T, H] out_dtype: back to token order, routing weights applied,
+  summed over the K experts of each token in float32. The Pallas kernel
+  (`moe_combine.gather_weighted_sum`) where its plan fits the chip's VMEM, else
+  `combine_xla`; differentiable w.r.t. y and top_k_weights either way."""
   tokens, top_k = top_k_weights.shape
-  inverse = jnp.argsort(perm)            # pair index -> sorted position (perm is a permutation)
+  # pair index t * K + k -> its sorted position (perm is a permutation).
+  ids = jnp.argsort(perm).astype(jnp.int32).reshape(tokens, top_k)
+  if moe_combine.block_tokens(tokens, top_k, y.shape[1], out_dtype, chip) is None:
+    return combine_xla(y, ids, top_k_weights).astype(out_dtype)
+  return _combine_kernel(y, ids, top_k_weights, jnp.dtype(out_dtype), chip, interpret)
+
+
+def combine_xla(y: jax.Array, ids: jax.Array, top_k_weights: jax.Array) -> jax.Array:
+  """The same sum by XLA's gather: y [S, H] float32, ids [T, K] (pair -> sorted position),
+  top_k_weights [T, K] -> [T, H] float32. The kernel's backward, its fallback, and the
+  combine of the XLA baseline layer (benchmarks/experts_layer_estimate.py)."""
+  tokens, top_k = ids.shape
   # Gathered k-major, [K, T, H], so the sum over K adds whole [T, H] slabs (token-major
   # [T, K, H] sums across sublanes: libtpu's static estimate rates it 1.4x the cycles at
-  # T=64). inverse < S always: "promise_in_bounds" spares jnp.take's out-of-bounds select.
-  by_k = inverse.reshape(tokens, top_k).T.reshape(-1)
-  rows = y.at[by_k].get(mode="promise_in_bounds").reshape(top_k, tokens, y.shape[1])
+  # T=64). ids < S always: "promise_in_bounds" spares jnp.take's out-of-bounds select.
+  rows = y.at[ids.T.reshape(-1)].get(mode="promise_in_bounds").reshape(top_k, tokens, -1)
   return jnp.sum(rows * top_k_weights.astype(jnp.float32).T[:, :, None], axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _combine_kernel(y, ids, top_k_weights, out_dtype, chip, interpret):
+  return moe_combine.gather_weighted_sum(y, ids, top_k_weights, out_dtype=out_dtype,
+                                         chip=chip, interpret=interpret)
+
+
+def _combine_kernel_fwd(y, ids, top_k_weights, out_dtype, chip, interpret):
+  out = _combine_kernel(y, ids, top_k_weights, out_dtype, chip, interpret)
+  return out, (y, ids, top_k_weights)
+
+
+def _combine_kernel_bwd(out_dtype, chip, interpret, residuals, g):
+  """The cotangents of XLA's combine (the same function): y's is a scatter-add of the
+  weighted rows, the weights' a row-wise dot; ids (integer) get none."""
+  y, ids, top_k_weights = residuals
+  _, vjp = jax.vjp(lambda y_, w_: combine_xla(y_, ids, w_).astype(out_dtype), y,
+                   top_k_weights)
+  dy, dw = vjp(g)
+  return dy, None, dw
+
+
+_combine_kernel.defvjp(_combine_kernel_fwd, _combine_kernel_bwd)

@@ -98,7 +98,7 @@ def test_route_and_combine_match_numpy():
   np.testing.assert_array_equal(np.asarray(x), h[np.asarray(perm) // top_k])
   # combine: each row scaled by its pair's weight, summed per token.
   y = rng.standard_normal((tokens * top_k, hidden)).astype(np.float32)
-  got = np.asarray(moe.combine(jnp.asarray(y), perm, jnp.asarray(w)))
+  got = np.asarray(moe.combine(jnp.asarray(y), perm, jnp.asarray(w), interpret=True))
   want = np.zeros((tokens, hidden))
   for row, pair in enumerate(np.asarray(perm)):
     want[pair // top_k] += w.ravel()[pair] * y[row].astype(np.float64)
