@@ -7,7 +7,8 @@ The layer is one jitted program of five parts, run one after another:
              static estimator crashes on their scalar loops (as for the headline gmm rows)
   gate/up    the gated grouped matmul, silu epilogue          (ragged_estimate's method)
   down       the grouped matmul, float32 out                  (ragged_estimate's method)
-  combine    moe.combine: routing weights, unsort, sum over K  (float32)
+  combine    moe.combine: routing weights, unsort, sum over K  (float32; the Pallas
+             kernel moe_combine.gather_weighted_sum, one DMA per row)
 
 Each part's time is max(static cycles / clock, its HBM bytes / bandwidth) (the estimator does
 not cap HBM bandwidth), and the layer's is their sum. The row's `estimated_cycles` is that
@@ -25,11 +26,14 @@ tiles - 1 more).
 Glue (route, combine; for gpt-oss at decode also the XLA gate after a plain gate/up
 kernel, the "xla_gate" route its interleaved columns take): the same functions moe_experts
 calls, compiled for the chip with the static profile on: cycles from the estimate of every
-op, HBM bytes from XLA's own cost_analysis ("bytes accessed") of the same program. An op
+op (the combine's Pallas kernel included), HBM bytes from XLA's own cost_analysis ("bytes
+accessed") of the same program, raised for the combine to the bytes it must move (its
+kernel's own row DMAs are not in cost_analysis). An op
 the estimator returns INT64_MAX for (the offloaded scatter-add that counted group sizes
 until 2026-12-04, and still does in seed_prediction's grouped_mm glue) counts by its bytes
-only. cost_analysis counts a row gather's bytes many times over (59 MB for the 4 MB
-combine at T=64), so a gather-heavy part is rated by those bytes, an overestimate.
+only. cost_analysis counts a row gather's bytes many times over (2.6 GB for the route's
+268 MB gather at Qwen3's prefill; 59 MB for the 4 MB XLA combine at T=64, before the
+kernel), so a gather-heavy part is rated by those bytes, an overestimate.
 
 Each part is rated in its own child process (the estimator aborts processes), with one
 fallback where it aborts: a kernel at 8 rows (v5e's LLO type check) is rated at 16 rows;
@@ -173,27 +177,31 @@ def _kernel_part(gmm: RoutedGmm, case: headline.ExpertsLayer, rate_gmm: Callable
 
 
 def glue_programs(case: headline.ExpertsLayer,
-                  chip: str) -> dict[str, tuple[Callable, list]]:
+                  chip: str) -> dict[str, tuple[Callable, list, int]]:
   """route, combine (and gpt-oss's XLA gate at decode) as moe_experts calls them on the
-  chip, with their argument specs."""
+  chip: (function, argument specs, the bytes it must move at least). The last counts where
+  cost_analysis cannot: the combine's Pallas kernel reads y's rows by its own DMAs, which
+  XLA's "bytes accessed" of the custom call does not see."""
   dt = jnp.dtype(case.dtype)
   s = case.rows
   route = lambda hidden, ids: moe.route(hidden, ids, case.experts)
-  combine = lambda y, perm, w: moe.combine(y, perm, w).astype(dt)
+  combine = lambda y, perm, w: moe.combine(y, perm, w, out_dtype=dt, chip=chip)
+  combine_bytes = (s * case.hidden * 4 + case.tokens * case.hidden * dt.itemsize
+                   + s * (4 + 4 + dt.itemsize))     # y, out, perm and its inverse, weights
   programs = {
       "route (argsort, group sizes, gather)": (route, [
           jax.ShapeDtypeStruct((case.tokens, case.hidden), dt),
-          jax.ShapeDtypeStruct((case.tokens, case.top_k), jnp.int32)]),
+          jax.ShapeDtypeStruct((case.tokens, case.top_k), jnp.int32)], 0),
       "combine (weights, unsort, sum over top-k)": (combine, [
-          jax.ShapeDtypeStruct((s, case.hidden), jnp.float32),
+          aot.RowMajor((s, case.hidden), jnp.float32),              # the down kernel's out
           jax.ShapeDtypeStruct((s,), jnp.int32),
-          jax.ShapeDtypeStruct((case.tokens, case.top_k), dt)]),
+          jax.ShapeDtypeStruct((case.tokens, case.top_k), dt)], combine_bytes),
   }
   if gate_up_route(case) == "xla_gate":   # ragged_dot._forward's gating after the kernel
     epilogue = R.Epilogue(activation=case.activation, gated=True)
     gate = lambda z: epilogue(*R._gated_halves(z, case.layout, case.width, chip)).astype(dt)
     programs["gate (XLA, after the gate/up kernel)"] = (gate, [
-        jax.ShapeDtypeStruct((s, 2 * case.width), jnp.float32)])
+        jax.ShapeDtypeStruct((s, 2 * case.width), jnp.float32)], 0)
   return programs
 
 
@@ -213,7 +221,7 @@ def op_cycles(hlo_text: str) -> list[tuple[str, int]]:
   return out
 
 
-def _glue_part(fn, specs, chip: str) -> dict:
+def _glue_part(fn, specs, chip: str, min_bytes: int = 0) -> dict:
   device = aot.topology_device(chip)
   compiled = jax.jit(fn).trace(*[aot._on_device(s, device) for s in specs]).lower().compile()
   cost = compiled.cost_analysis()
@@ -223,8 +231,11 @@ def _glue_part(fn, specs, chip: str) -> dict:
     raise RuntimeError("the compiled glue carries no estimated_cycles (profile flag off?)")
   unrated = [name for name, c in ops if c >= UNESTIMATED]
   part = dict(cycles=sum(c for _, c in ops if c < UNESTIMATED),
-              hbm_bytes=int(cost["bytes accessed"]), ops=len(ops),
-              method="static estimate of the compiled XLA ops; bytes: cost_analysis")
+              hbm_bytes=max(int(cost["bytes accessed"]), min_bytes), ops=len(ops),
+              method="static estimate of the compiled ops; bytes: cost_analysis")
+  if min_bytes > int(cost["bytes accessed"]):
+    part["method"] += (f" ({int(cost['bytes accessed'])}) raised to the {min_bytes} the "
+                       "part must move (a kernel's own DMAs are not in cost_analysis)")
   if unrated:
     part["unrated_ops"] = unrated
     part["method"] += (f"; {', '.join(unrated)}: the estimator returns INT64_MAX, counted "
@@ -232,7 +243,7 @@ def _glue_part(fn, specs, chip: str) -> dict:
   return part
 
 
-def glue_cost_analysis(fn, specs, chip: str) -> dict:
+def glue_cost_analysis(fn, specs, chip: str, min_bytes: int = 0) -> dict:
   """A glue part by XLA's cost_analysis (no profile flag): where the static estimator
   aborts on it (v5e: gathers and scatters, "Unsupported DMA direction: 10 on VL/VLP")."""
   device = aot.topology_device(chip)
@@ -243,7 +254,7 @@ def glue_cost_analysis(fn, specs, chip: str) -> dict:
   if seconds <= 0:
     raise RuntimeError(f"cost_analysis gives optimal_seconds {seconds}")
   return dict(cycles=round(seconds * chips.get_chip(chip).clock_hz),
-              hbm_bytes=int(cost["bytes accessed"]),
+              hbm_bytes=max(int(cost["bytes accessed"]), min_bytes),
               method="XLA cost_analysis (optimal_seconds, bytes accessed; a lower bound: "
                      "no per-op cost): the static estimator aborts on this part")
 
@@ -258,8 +269,9 @@ def rate_part(case: headline.ExpertsLayer, chip: str, part: str, fallback: bool)
       rated["method"] += (f"; rated at {gmm.m} rows (the estimator aborts on this chip at "
                           f"{case.rows})")
     return rated
-  fn, specs = glue_programs(case, chip)[part]
-  return glue_cost_analysis(fn, specs, chip) if fallback else _glue_part(fn, specs, chip)
+  fn, specs, min_bytes = glue_programs(case, chip)[part]
+  rate_glue = glue_cost_analysis if fallback else _glue_part
+  return rate_glue(fn, specs, chip, min_bytes)
 
 
 PART_TIMEOUT_S = 900
@@ -303,7 +315,7 @@ def rate(case: headline.ExpertsLayer, chip: str) -> dict:
                      "sum over route, gate/up, down, combine of max(static cycles, HBM bytes "
                      "at full bandwidth) in clock cycles; kernels by ragged_estimate's "
                      f"visible table at {case.experts_hit:.1f} experts hit, glue as compiled "
-                     "XLA ops" + ("; fallbacks: " + "; ".join(
+                     "ops (XLA; the combine a Pallas kernel)" + ("; fallbacks: " + "; ".join(
                          f"{n}: {p['method'].split('; ')[-1]}" for n, p in parts.items()
                          if "first_attempt" in p) if any("first_attempt" in p
                                                          for p in parts.values()) else ""),
@@ -312,7 +324,7 @@ def rate(case: headline.ExpertsLayer, chip: str) -> dict:
 
 
 def xla_program(case: headline.ExpertsLayer):
-  """The XLA baseline of the whole layer: moe's route and combine around two
+  """The XLA baseline of the whole layer: moe's route and XLA's combine around two
   jax.lax.ragged_dot calls (weights in their native (E, k, n) layout) and the case's gate
   (columns and activation), one program."""
   dt = jnp.dtype(case.dtype)
@@ -323,7 +335,8 @@ def xla_program(case: headline.ExpertsLayer):
     epilogue = R.Epilogue(activation=case.activation, gated=True)
     h = epilogue(*R._split_columns(z, case.layout, case.width, 1)).astype(dt)
     y = jax.lax.ragged_dot(h, down, sizes, preferred_element_type=jnp.float32)
-    return moe.combine(y, perm, weights).astype(dt)
+    ids = jnp.argsort(perm).reshape(case.tokens, case.top_k)
+    return moe.combine_xla(y, ids, weights).astype(dt)
 
   specs = [jax.ShapeDtypeStruct((case.tokens, case.hidden), dt),
            jax.ShapeDtypeStruct((case.tokens, case.top_k), jnp.int32),
