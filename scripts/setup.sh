@@ -33,19 +33,22 @@ venv_stamp() {  # venv_stamp LOCKFILE PYTHON_VERSION -> what DIR/.installed hold
   echo "$(sha256sum "$1" | cut -c1-16)-$2"
 }
 
+venv_is_current() {  # venv_is_current DIR PYTHON_VERSION LOCKFILE: installed from this lock
+  [[ -f "$1/.installed" && "$(cat "$1/.installed")" == "$(venv_stamp "$3" "$2")" ]]
+}
+
 all_venvs_installed() {  # true when no make_venv call below has work to do
   local dir version lock
   while read -r dir version lock _; do
-    [[ -f "$dir/.installed" && "$(cat "$dir/.installed")" == "$(venv_stamp "$lock" "$version")" ]] || return 1
+    venv_is_current "$dir" "$version" "$lock" || return 1
   done <<< "$VENVS"
 }
 
 make_venv() {  # make_venv DIR PYTHON_VERSION LOCKFILE [NO_DEPS_PACKAGE]
   # NO_DEPS_PACKAGE: install the lock with --no-deps (it pins everything that runs); pip check
   # then tolerates that one package's declared requirements that the lock leaves out.
-  local dir=$1 version=$2 lock=$3 no_deps=${4:-} python stamp problems
-  stamp=$(venv_stamp "$lock" "$version")
-  if [[ -f "$dir/.installed" && "$(cat "$dir/.installed")" == "$stamp" ]]; then
+  local dir=$1 version=$2 lock=$3 no_deps=${4:-} python problems
+  if venv_is_current "$dir" "$version" "$lock"; then
     echo "== $dir is up to date ($lock)"
     return
   fi
@@ -62,7 +65,7 @@ make_venv() {  # make_venv DIR PYTHON_VERSION LOCKFILE [NO_DEPS_PACKAGE]
     problems=$("$dir/bin/python" -m pip check | grep -v -i "^$no_deps " || true)
     if [[ -n $problems ]]; then echo "$problems" >&2; return 1; fi
   fi
-  echo "$stamp" > "$dir/.installed"
+  venv_stamp "$lock" "$version" > "$dir/.installed"
 }
 
 # The six venvs take about 11 GB, and pip unpacks each wheel in a temporary directory first. A
