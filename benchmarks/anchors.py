@@ -246,7 +246,10 @@ def _compile(fn, specs, chip: str):
   return jax.jit(fn).trace(*specs).lower().compile()
 
 
-CHILD_TIMEOUT_S = 600
+# Per child (one truncation of one anchor); ANCHOR_CHILD_TIMEOUT_S raises it. jax's RPA at
+# ctx 32768 on v5e, retried with VMEM memory-space assignment off (tuning.run_child), timed
+# out at 600 s; given 2400 it runs a 24 GB machine out of memory instead (2026-12-05).
+CHILD_TIMEOUT_S = int(os.environ.get("ANCHOR_CHILD_TIMEOUT_S", "600"))
 
 
 def _child(key: str, chip: str, trunc, profile: bool = True) -> dict:
