@@ -71,7 +71,8 @@ def gather_weighted_sum(y: jax.Array, ids: jax.Array, weights: jax.Array, *,
   """y [S, H] float32, ids [T, K] int32 in [0, S), weights [T, K] (any float dtype, applied
   in float32) -> [T, H] out_dtype: out[t] = sum_k weights[t, k] * y[ids[t, k]].
 
-  Raises ValueError where no block of tokens fits the chip's VMEM budget (`block_tokens`)."""
+  No tokens (or K = 0) give zeros [T, H]. Raises ValueError where no block of tokens fits
+  the chip's VMEM budget (`block_tokens`), or y has fewer rows than a step has tokens."""
   if y.ndim != 2 or ids.ndim != 2 or weights.shape != ids.shape:
     raise ValueError(f"gather_weighted_sum takes y [S, H], ids and weights [T, K], got "
                      f"{y.shape}, {ids.shape}, {weights.shape}")
@@ -81,11 +82,15 @@ def gather_weighted_sum(y: jax.Array, ids: jax.Array, weights: jax.Array, *,
     raise TypeError(f"ids must be integer, got {ids.dtype}")
   tokens, top_k = ids.shape
   hidden = y.shape[1]
-  # block <= tokens, so y has at least K * block rows (the waits' slab).
+  if tokens == 0 or top_k == 0:     # nothing to gather: an empty batch, or no experts per token
+    return jnp.zeros((tokens, hidden), out_dtype)
   block = block_tokens(tokens, top_k, hidden, out_dtype, chip)
   if block is None:
     raise ValueError(f"gather_weighted_sum: K = {top_k} rows of {hidden} float32 per token do "
                      f"not fit {chip}'s VMEM budget at 8 tokens per step")
+  if y.shape[0] < block:    # each wait names a slab of `block` rows of y (moe: S = T * K >= it)
+    raise ValueError(f"gather_weighted_sum: y has {y.shape[0]} rows, fewer than the {block} "
+                     f"tokens of a step")
   steps = pl.cdiv(tokens, block)
   # [steps, 1, K * bt]: Mosaic checks a 1-D block against the local device's tiling, which
   # an ahead-of-time compile on a CPU host does not have; whole trailing dims pass without.

@@ -72,6 +72,15 @@ def test_bad_input_raises():
     moe_combine.gather_weighted_sum(y, ids, w[:, :1], interpret=True)
   with pytest.raises(TypeError, match="integer"):
     moe_combine.gather_weighted_sum(y, ids.astype(jnp.float32), w, interpret=True)
+  with pytest.raises(ValueError, match="fewer than"):     # 2 rows of y, 4 tokens a step
+    moe_combine.gather_weighted_sum(y[:2], ids, w, interpret=True)
+
+
+def test_no_tokens_gives_an_empty_result():
+  got = moe_combine.gather_weighted_sum(jnp.zeros((0, 128)), jnp.zeros((0, 8), jnp.int32),
+                                        jnp.zeros((0, 8)), out_dtype=jnp.bfloat16,
+                                        interpret=True)
+  assert got.shape == (0, 128) and got.dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("chip", ["v6e", "v5e"])
