@@ -164,7 +164,8 @@ class Program:
       fwd = R.gmm_tiling(m, k, n_full, rhs_dtype=wdt, out_dtype=jnp.float32, **common)
     elif route is not None:
       fwd = R.gmm_tiling(m, k, n_full // 2, rhs_dtype=wdt, out_dtype=dt, num_rhs=2,
-                         n_must_divide=n_full // 2 if route == "blocks" else None, **common)
+                         n_must_divide=n_full // 2 if route == "blocks" else None,
+                         interleaved=route == "lanes", **common)
     else:
       fwd = R.gmm_tiling(m, k, n_full, rhs_dtype=wdt, out_dtype=dt, **common)
     out = [("fwd", fwd)]

@@ -297,7 +297,7 @@ def _resolve_limit(chip, plan_bytes_min, vmem_limit_bytes):
 
 def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=1,
                n_must_divide=None, chip=chips.DEFAULT_CHIP, block_m=None, block_k=None,
-               block_n=None, vmem_limit_bytes=None) -> Tiling:
+               block_n=None, vmem_limit_bytes=None, interleaved=False) -> Tiling:
   """Tiles of the forward kernel: out (m, n) per rhs operand from lhs (m, k).
 
   VMEM plan: double-buffered lhs, rhs (x num_rhs), out, scale and bias blocks, the f32
@@ -306,6 +306,8 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
   accepts (the scoped-VMEM limit is raised to its plan if need be, up to the chip's
   maximum); otherwise the heuristic (`_best_blocks`). `n_must_divide`: block_n must divide
   it (the gate/up halves of one concatenated weight are addressed in whole blocks).
+  `interleaved` (with num_rhs=2): gate/up columns interleaved in one weight, de-interleaved
+  in the epilogue (`_deinterleave_lanes`: three bf16 parts of z and the two picked halves).
   """
   chip_ = chips.get_chip(chip)
   lb, rb, ob = (np.dtype(d).itemsize for d in (lhs_dtype, rhs_dtype, out_dtype))
@@ -321,6 +323,8 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
     total += num_rhs * 2 * 2 * 8 * bn_p * 4                 # scale, bias blocks
     total += num_rhs * 2 * bm_p * bn_p * 4                   # accumulator + dot result
     total += 3 * bm_p * bn_p * 4                             # epilogue temporaries
+    if interleaved:   # `_deinterleave_lanes`: one chunk's three bf16 parts, the f32 halves
+      total += 3 * bm_p * min(2 * bn_p, _DEINTERLEAVE_CHUNK) * 2 + 2 * bm_p * bn_p * 4
     if quantized:
       total += num_rhs * vmem.round_up(bk, 8) * bn_p * lb    # dequantised weight block
     return total
@@ -534,8 +538,59 @@ def _mask_k_tail(x, axis, k_rem, in_f32):
   return jnp.where(idx < k_rem, x, jnp.zeros_like(x))
 
 
+# Lanes of one de-interleave step: 256 columns of z -> 128 gate and 128 up columns.
+_DEINTERLEAVE_CHUNK = 256
+
+
+def _deinterleave_lanes(z, valid_lanes):
+  """(gate, up) = (even, odd) columns of z [bm, 2 * bn] float32, each [bm, bn], exactly.
+
+  Mosaic has no lane-strided load from a block this wide ("The last dim size is not 128
+  in original base memref"), so the columns are picked on the MXU: z is cut into three
+  bfloat16 parts whose sum is z (its significand's top 8 bits, the next 8, the last 8),
+  and each part times a 0/1 selection matrix [256, 128] gives each output one nonzero
+  product, summed in f32: exact for finite z of magnitude >= 2^-102 (below that the
+  smaller parts can be denormals, flushed: within 2^-124 of z). The parts are cut by
+  masking bits in float32, per 256-lane chunk: v5e's static estimator aborts (an LLO
+  type check on a bf16 unpack) on a bfloat16 round trip and on lane slices of bf16.
+  Columns from `valid_lanes` on (past the weight's last column, in the last n block:
+  stale VMEM, maybe NaN) are zeroed first, since a NaN times 0 in the selection would
+  spoil its whole chunk. A non-finite z in the weight's own columns does the same: that
+  row's chunk comes out NaN, never finite.
+  """
+  rows, width = z.shape
+  chunk = min(width, _DEINTERLEAVE_CHUNK)
+  lane = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+  z = jnp.where(lane < valid_lanes, z, 0.0)
+  top8 = lambda x: jax.lax.bitcast_convert_type(   # x cut to a bfloat16 value, in f32
+      jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32)
+
+  def bf16_parts(x):   # three bfloat16 arrays that sum to x (exact casts)
+    hi = top8(x)
+    rest = x - hi
+    mid = top8(rest)
+    return [p.astype(jnp.bfloat16) for p in (hi, mid, rest - mid)]
+
+  def selection(cols, parity):   # [cols, cols / 2]: column j picks input column 2 j + parity
+    i = jax.lax.broadcasted_iota(jnp.int32, (cols, cols // 2), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (cols, cols // 2), 1)
+    return (i == 2 * j + parity).astype(jnp.bfloat16)
+
+  gates, ups = [], []
+  for c in range(0, width, chunk):
+    cols = min(chunk, width - c)   # even: width is 2 bn
+    # Cut in float32 and then split: v5e's estimator aborts on a lane slice of packed bf16.
+    parts = bf16_parts(z[:, c:c + cols])
+    pick = lambda sel: sum(jnp.dot(p, sel, preferred_element_type=jnp.float32) for p in parts)
+    gates.append(pick(selection(cols, 0)))
+    ups.append(pick(selection(cols, 1)))
+  join = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
+  return join(gates), join(ups)
+
+
 def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has_scale, has_bias,
-                transpose_rhs, k_rem, mask_in_f32, block_m, epilogue, compute_dtype):
+                transpose_rhs, k_rem, mask_in_f32, block_m, epilogue, compute_dtype,
+                interleaved_n=None):
   rhs_refs = refs[:num_rhs]
   refs = refs[num_rhs:]
   scale_refs = refs[:num_rhs] if has_scale else ()
@@ -544,7 +599,7 @@ def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has
   refs = refs[num_rhs if has_bias else 0:]
   out_ref, acc_refs = refs[0], refs[1:]
 
-  v, kk = pl.program_id(1), pl.program_id(2)
+  j, v, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   last_k = pl.num_programs(2) - 1
   group = _field(table_ref, _GROUP, v, num_v)
   real = group < num_local_groups
@@ -600,6 +655,9 @@ def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has
         if has_bias:
           z = z + bias_refs[i][...].astype(jnp.float32)
         zs.append(z)
+      if interleaved_n is not None:   # one [bm, 2 * bn] block of interleaved gate/up
+        block = zs[0].shape[1]
+        zs = _deinterleave_lanes(zs[0], interleaved_n - j * block)
       y = epilogue(*zs)
       rows = tile * block_m + jax.lax.broadcasted_iota(jnp.int32, y.shape, 0)
       mask = jnp.logical_and(rows >= _field(table_ref, _ROW_START, v, num_v),
@@ -657,26 +715,37 @@ class _Static:
 
 
 def _gmm(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, *, n_out,
-         transpose_rhs, epilogue, out_dtype, tiling_n_divides, st: _Static):
+         transpose_rhs, epilogue, out_dtype, tiling_n_divides, st: _Static,
+         interleaved=False):
   """One forward pallas_call. rhs_ops: [(array, n block offset)], 1 or 2 of them (gate, up);
-  scale_ops / bias_ops: the same for [G, N] arrays, or empty."""
+  scale_ops / bias_ops: the same for [G, N] arrays, or empty. `interleaved`: one weight
+  whose 2 * n_out columns alternate gate, up (the gated epilogue de-interleaves them)."""
   m, k = lhs.shape
   g_local = rhs_ops[0][0].shape[0]
   rhs_dtype = rhs_ops[0][0].dtype
   t = gmm_tiling(m, k, n_out, num_groups=g_local, lhs_dtype=lhs.dtype, rhs_dtype=rhs_dtype,
-                 out_dtype=out_dtype, num_rhs=len(rhs_ops), n_must_divide=tiling_n_divides,
-                 chip=st.chip, block_m=st.block_m, block_k=st.block_k, block_n=st.block_n,
-                 vmem_limit_bytes=st.vmem_limit_bytes)
+                 out_dtype=out_dtype, num_rhs=2 if interleaved else len(rhs_ops),
+                 n_must_divide=tiling_n_divides, chip=st.chip, block_m=st.block_m,
+                 block_k=st.block_k, block_n=st.block_n,
+                 vmem_limit_bytes=st.vmem_limit_bytes, interleaved=interleaved)
   return _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t,
                    n_out=n_out, transpose_rhs=transpose_rhs, epilogue=epilogue,
-                   out_dtype=out_dtype, chip=st.chip, interpret=st.interpret)
+                   out_dtype=out_dtype, chip=st.chip, interpret=st.interpret,
+                   interleaved=interleaved)
 
 
 def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: Tiling, *,
-              n_out, transpose_rhs, epilogue, out_dtype, chip, interpret, num_visits=None):
+              n_out, transpose_rhs, epilogue, out_dtype, chip, interpret, num_visits=None,
+              interleaved=False):
+  """`interleaved`: rhs_ops is one weight of 2 * n_out interleaved gate/up columns; each
+  n tile j reads its columns [2 j bn, 2 (j + 1) bn) (and those of scale and bias) into one
+  [bm, 2 bn] accumulator, and the epilogue de-interleaves it (`_deinterleave_lanes`)."""
   m, k = lhs.shape
   g_local = rhs_ops[0][0].shape[0]
   bm, bk, bn = t.block_m, t.block_k, t.block_n
+  if interleaved and (not epilogue.gated or len(rhs_ops) != 1):
+    raise ValueError("interleaved gate/up columns take one weight and a gated epilogue")
+  wn = 2 * bn if interleaved else bn   # weight (and scale, bias) columns per n tile
   tiles_k = pl.cdiv(k, bk)
   num_v = max_visits(m, bm, g_local)
   table, visits = group_metadata(group_sizes, group_offset, num_local_groups=g_local, m=m,
@@ -694,13 +763,13 @@ def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: T
 
   def rhs_spec(offset):
     if transpose_rhs:
-      return pl.BlockSpec((None, bn, bk), lambda j, v, kk, tab: (
+      return pl.BlockSpec((None, wn, bk), lambda j, v, kk, tab: (
           tab[_RHS_GROUP * num_v + v], j + offset, k_index(v, kk, tab)))
-    return pl.BlockSpec((None, bk, bn), lambda j, v, kk, tab: (
+    return pl.BlockSpec((None, bk, wn), lambda j, v, kk, tab: (
         tab[_RHS_GROUP * num_v + v], k_index(v, kk, tab), j + offset))
 
   def row_spec(offset):   # scale / bias, as [G, 1, N]
-    return pl.BlockSpec((None, 1, bn), lambda j, v, kk, tab: (
+    return pl.BlockSpec((None, 1, wn), lambda j, v, kk, tab: (
         tab[_RHS_GROUP * num_v + v], 0, j + offset))
 
   in_specs = [pl.BlockSpec((bm, bk), lhs_map)]
@@ -714,7 +783,8 @@ def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: T
       _gmm_kernel, num_v=num_v, num_local_groups=g_local, num_rhs=len(rhs_ops),
       has_scale=bool(scale_ops), has_bias=bool(bias_ops), transpose_rhs=transpose_rhs,
       k_rem=k % bk, mask_in_f32=not chips.get_chip(chip).bf16_vpu, block_m=bm,
-      epilogue=epilogue, compute_dtype=lhs.dtype)
+      epilogue=epilogue, compute_dtype=lhs.dtype,
+      interleaved_n=2 * n_out if interleaved else None)
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -722,7 +792,7 @@ def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: T
           grid=(pl.cdiv(n_out, bn), visits, tiles_k),
           in_specs=in_specs,
           out_specs=pl.BlockSpec((bm, bn), lambda j, v, kk, tab: (tab[_TILE * num_v + v], j)),
-          scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32) for _ in rhs_ops]),
+          scratch_shapes=[pltpu.VMEM((bm, wn), jnp.float32) for _ in rhs_ops]),
       out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary", "arbitrary"),
@@ -812,15 +882,23 @@ def gate_up_route(m: int, n_full: int, layout: str, weight_bytes: int) -> str:
   "blocks":   concatenated layout with I a multiple of 128: gate and up are whole blocks
               of the same weight array (no copy); one gated kernel.
   Otherwise (gpt-oss's interleaved columns, or halves not whole 128-lane blocks), gate
-  and up cannot be addressed as blocks of one array, and the cheaper in bytes of:
-  "xla_gate": the plain kernel writes a float32 (m, 2I) intermediate and XLA gates it
-              (decode: the intermediate is tiny next to the weights);
-  "split":    the weights are split in XLA (a copy of all of them; prefill) and fed to
-              the gated kernel.
+  and up cannot be addressed as blocks of one array:
+  "xla_gate": the plain kernel writes a float32 (m, 2I) intermediate and XLA gates it,
+              where that intermediate is smaller than the weights (decode);
+  above that (prefill):
+  "lanes":    interleaved columns: one gated kernel reads blocks of 2 bn interleaved
+              columns and de-interleaves its accumulator (`_deinterleave_lanes`);
+  "split":    concatenated halves off the 128-lane grid: the weights are split in XLA (a
+              copy of all of them) and fed to the gated kernel.
+  At decode "lanes" rates slower than "xla_gate" (gpt-oss-20b at 64 tokens x top-4,
+  gate/up with the gate: v6e 743 against 697 us, v5e 1,500 against 1,359; static
+  estimates, docs/performance.md), so the threshold stays where it was.
   """
   if layout == "concatenated" and (n_full // 2) % 128 == 0:
     return "blocks"
-  return "xla_gate" if 2 * m * n_full * 4 < weight_bytes else "split"
+  if 2 * m * n_full * 4 < weight_bytes:
+    return "xla_gate"
+  return "lanes" if layout == "interleaved" else "split"
 
 
 def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
@@ -852,6 +930,10 @@ def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
                  out_dtype=jnp.float32)
     # Rows of no local group stay 0: every gated unit maps (0, 0) to 0.
     return epilogue(*_gated_halves(z, st.layout, half, st.chip)).astype(out_dtype)
+  if route == "lanes":
+    ops = lambda a: [] if a is None else [(a, 0)]
+    return _gmm(lhs, ops(rhs), ops(scale), ops(bias), group_sizes, group_offset,
+                n_out=half, tiling_n_divides=None, interleaved=True, **common)
   pairs = lambda a, axis: [] if a is None else list(zip(_split_columns(a, st.layout, half, axis),
                                                         (0, 0)))
   return _gmm(lhs, pairs(rhs, n_axis), pairs(scale, 1), pairs(bias, 1), group_sizes,

@@ -387,7 +387,7 @@ def test_gated_halves_are_the_gate_and_up_columns(chip, rows, layout):
 
 @pytest.mark.parametrize("m, k, half, groups, fused", [
     (8, 256, 64, 4, False),    # decode-like: gate in XLA on a small f32 intermediate
-    (64, 3, 8, 2, True),       # prefill-like: weights split in XLA, gated kernel
+    (64, 3, 8, 2, True),       # prefill-like: one gated kernel de-interleaves ("lanes")
 ])
 @pytest.mark.parametrize("activation", ["silu", "gpt_oss", "clamped_silu"])
 def test_interleaved_gate_up_picks_the_cheaper_route(m, k, half, groups, fused, activation):
@@ -407,3 +407,53 @@ def test_interleaved_gate_up_picks_the_cheaper_route(m, k, half, groups, fused, 
   for got, want, what in zip(grads, ref.ragged_dot_grads(
       x, w, sizes, g, bias=b, gated_name=activation, layout="interleaved"), "xwb"):
     ref.assert_close(got, want, ref.RAGGED_GRAD_TOLERANCE["float32"], what)
+
+
+@pytest.mark.parametrize("width, valid", [(256, 256), (400, 400), (512, 400), (512, 144)])
+def test_deinterleave_lanes_is_exact(width, valid):
+  """The "lanes" route's epilogue split: bit-exact even / odd columns of float32 values
+  over 2^-90 .. 2^100 (every f32 significand bit in play), the columns past `valid`
+  (stale VMEM past the weight's end: NaN here) zeroed instead of spoiling their chunk.
+  Below about 2^-102 the smaller parts can be denormals, which XLA flushes (so does the
+  TPU): there the split is within 2^-124 of the value, not exact."""
+  rng = np.random.default_rng(width + valid)
+  for low, high, atol in ((-90, 100, 0.0), (-125, -100, 2.0 ** -124)):
+    z = rng.standard_normal((16, width)) * 2.0 ** rng.integers(low, high, (16, width))
+    z = z.astype(np.float32)
+    z[:, valid:] = np.nan
+    gate, up = K._deinterleave_lanes(jnp.asarray(z), valid)
+    want = np.where(np.arange(width) < valid, z, 0).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(gate), want[:, 0::2], rtol=0, atol=atol)
+    np.testing.assert_allclose(np.asarray(up), want[:, 1::2], rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lanes_route_partial_last_block_matches_reference(transpose_rhs, dtype):
+  """gpt-oss-like interleaved gate/up at prefill proportions ("lanes": weights smaller
+  than the float32 intermediate), half = 200 over block_n 128: the last n tile reads 144
+  of its 256 weight columns, the rest past the array's end. Either weight layout, bias
+  and gpt_oss's clamped gate, forward and gradients."""
+  m, k, half, groups = 96, 40, 200, 3
+  assert K.gate_up_route(m, 2 * half, "interleaved", groups * k * 2 * half * 4) == "lanes"
+  rng = np.random.default_rng(7)
+  dt = NP[dtype]
+  sizes = np.array([40, 0, 50], np.int32)   # an empty group; 6 rows past the groups
+  x = rng.standard_normal((m, k)).astype(dt)
+  w = (rng.standard_normal((groups, 2 * half, k) if transpose_rhs else (groups, k, 2 * half))
+       / np.sqrt(k)).astype(dt)
+  b = rng.standard_normal((groups, 2 * half)).astype(dt)
+  fn = lambda x, w, b: K.gated_ragged_dot(
+      x, w, jnp.asarray(sizes), activation="gpt_oss", layout="interleaved", bias=b,
+      transpose_rhs=transpose_rhs, block_n=128, interpret=True)
+  assert "ragged_dot_gated" in str(jax.make_jaxpr(fn)(x, w, b))
+  common = dict(bias=b, gated_name="gpt_oss", layout="interleaved",
+                transpose_rhs=transpose_rhs)
+  out = fn(x, w, b)
+  ref.assert_close(out, ref.ragged_dot(x, w, sizes, **common), ref.RAGGED_TOLERANCE[dtype],
+                   "out")
+  assert not np.asarray(out, np.float64)[sizes.sum():].any()
+  g = rng.standard_normal((m, half)).astype(dt)
+  grads = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * g), (0, 1, 2))(x, w, b)
+  for got, want, what in zip(grads, ref.ragged_dot_grads(x, w, sizes, g, **common), "xwb"):
+    ref.assert_close(got, want, ref.RAGGED_GRAD_TOLERANCE[dtype], what)

@@ -18,6 +18,8 @@ Tolerances (|got - ref| <= atol * max|ref| + rtol * |ref|, per tensor):
     token, which is a routing flip, not a kernel error.
 """
 
+import importlib
+
 import pytest
 import torch
 
@@ -178,21 +180,12 @@ def _routing(tokens, num_experts, top_k, gen, placeholders=0):
   return index, weights   # index int64, as Transformers routers produce
 
 
-@pytest.mark.parametrize("kind", ["no_gate", "qwen", "gemma4", "gpt_oss"])
-def test_direct_experts_with_placeholder_ids(registered, kind):
-  """Expert-parallel placeholders (ids >= num_experts) contribute nothing; the rest matches
-  the float64 reference and Transformers' grouped_mm path (both handle placeholders)."""
+def _check_against_reference_and_stock(module, hidden, index, weights, out, gen):
+  """out (the kernel's, float32) against the float64 reference and Transformers'
+  grouped_mm path; the gradients w.r.t. hidden, weights and every parameter against
+  grouped_mm's along a random direction."""
   from transformers.integrations.moe import grouped_mm_experts_forward
 
-  module = _direct_experts(kind)
-  module._is_expert_parallel = True
-  gen = torch.Generator().manual_seed(3)
-  hidden = torch.randn(7, 48, generator=gen, requires_grad=True)
-  index, weights = _routing(7, 6, 2, gen, placeholders=3)
-  index[0] = torch.tensor([6, 8])     # token 0: all its experts live on other shards
-  weights.requires_grad_()
-  out = registered.experts_forward(module, hidden, index, weights)
-  assert torch.all(out[0] == 0)
   ref.assert_close(out.detach(), _numpy_reference(module, hidden, index, weights),
                    **TOL[torch.float32])
   stock = grouped_mm_experts_forward(module, hidden, index, weights)
@@ -203,6 +196,39 @@ def test_direct_experts_with_placeholder_ids(registered, kind):
   want = torch.autograd.grad((stock * direction).sum(), params)
   for i, (a, b) in enumerate(zip(got, want)):
     ref.assert_close(a, b, what=f"grad {i}", **GRAD_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("kind", ["no_gate", "qwen", "gemma4", "gpt_oss"])
+def test_direct_experts_with_placeholder_ids(registered, kind):
+  """Expert-parallel placeholders (ids >= num_experts) contribute nothing; the rest matches
+  the float64 reference and Transformers' grouped_mm path (both handle placeholders)."""
+  module = _direct_experts(kind)
+  module._is_expert_parallel = True
+  gen = torch.Generator().manual_seed(3)
+  hidden = torch.randn(7, 48, generator=gen, requires_grad=True)
+  index, weights = _routing(7, 6, 2, gen, placeholders=3)
+  index[0] = torch.tensor([6, 8])     # token 0: all its experts live on other shards
+  weights.requires_grad_()
+  out = registered.experts_forward(module, hidden, index, weights)
+  assert torch.all(out[0] == 0)
+  _check_against_reference_and_stock(module, hidden, index, weights, out, gen)
+
+
+def test_gpt_oss_experts_at_prefill_size(registered):
+  """80 tokens x top-2 on the small gpt-oss module: the float32 [160, 2I] intermediate
+  outweighs the weights, so the gated kernel de-interleaves gate / up itself (ragged_dot's
+  "lanes" route; the other tests here are small enough for "xla_gate"). Forward against
+  the float64 reference and Transformers' grouped_mm path, gradients against the latter."""
+  ragged_dot = importlib.import_module(f"{registered.__name__}.tpu_kernels.ragged_dot")
+  module = _direct_experts("gpt_oss")
+  weight_bytes = module.gate_up_proj.numel() * module.gate_up_proj.element_size()
+  assert ragged_dot.gate_up_route(160, 48, "interleaved", weight_bytes) == "lanes"
+  gen = torch.Generator().manual_seed(5)
+  hidden = torch.randn(80, 48, generator=gen, requires_grad=True)
+  index, weights = _routing(80, 6, 2, gen)
+  weights.requires_grad_()
+  out = registered.experts_forward(module, hidden, index, weights)
+  _check_against_reference_and_stock(module, hidden, index, weights, out, gen)
 
 
 # Quantized experts: error of int8 / fp8 against the unquantized bf16 result, relative to
