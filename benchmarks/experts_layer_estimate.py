@@ -39,7 +39,7 @@ Each part is rated in its own child process (the estimator aborts processes), wi
 fallback where it aborts: a kernel at 8 rows (v5e's LLO type check) is rated at 16 rows;
 a glue part (v5e: "Static LLO profiling of gather_fusion failed") by XLA's
 cost_analysis, a lower bound (no per-op cost; ~1-2k cycles per op where the estimator
-sees them). Not modelled: gpt-oss's "split" route at prefill (NotImplementedError, a
+sees them). Not modelled: the "split" route (no case takes it; NotImplementedError, a
 "not rated" row), gpt-oss's biases and its (E, k, n) weight layout (rated as (E, n, k)).
 
     python benchmarks/experts_layer_estimate.py --summary    # the docs' breakdown table
@@ -138,9 +138,10 @@ def gmms(case: headline.ExpertsLayer, chip: str, min_rows: int = 0) -> dict[str,
 
   Gate/up: "blocks" (Qwen: I a multiple of 128, concatenated) is the gated kernel;
   "xla_gate" (gpt-oss at decode: interleaved columns) the plain kernel with a float32
-  [S, 2I] out, gated by XLA after it (the glue part "gate"). The "split" route (gpt-oss
-  at prefill: an XLA copy of the weights into gate and up, then the gated kernel) is not
-  modelled: NotImplementedError."""
+  [S, 2I] out, gated by XLA after it (the glue part "gate"); "lanes" (gpt-oss at
+  prefill) the gated kernel that de-interleaves its accumulator. The "split" route
+  (concatenated halves off the lane grid, at prefill: an XLA copy of the weights into
+  gate and up, then the gated kernel; no case here) is not modelled: NotImplementedError."""
   hit = min(case.experts, case.rows)
   m = max(case.rows, min_rows)
   common = dict(groups=case.experts, chip=chip, dtype=case.dtype, hit=hit)
@@ -151,6 +152,9 @@ def gmms(case: headline.ExpertsLayer, chip: str, min_rows: int = 0) -> dict[str,
   elif route == "xla_gate":
     gate_up = ("gate/up kernel (f32 out, gated by XLA)", RoutedGmm(
         m, k=case.hidden, n_out=2 * case.width, gated=False, out_dtype="float32", **common))
+  elif route == "lanes":
+    gate_up = ("gate/up+gate kernel (interleaved columns)", RoutedGmm(
+        m, k=case.hidden, n_out=case.width, gated=True, interleaved=True, **common))
   else:
     raise NotImplementedError(
         f"gate/up takes the {route!r} route here (an XLA copy of all gate/up weights into "

@@ -167,6 +167,7 @@ class GmmCase:
   out_dtype: str | None = None      # None: `dtype`
   active_groups: int | None = None  # groups with rows (None: all); the rest are empty
   transpose_rhs: bool = True
+  interleaved: bool = False   # gated, gate/up columns interleaved (the "lanes" route)
 
   @property
   def num_rhs(self) -> int:
@@ -193,8 +194,10 @@ class GmmCase:
     block_m, block_k, block_n = self.blocks or (None, None, None)
     return R.gmm_tiling(self.m, self.k, self.n_out, num_groups=self.groups, lhs_dtype=dt,
                         rhs_dtype=self.rhs_dtype, out_dtype=self.result_dtype,
-                        num_rhs=self.num_rhs, n_must_divide=self.n_out if self.gated else None,
-                        chip=self.chip, block_m=block_m, block_k=block_k, block_n=block_n)
+                        num_rhs=self.num_rhs,
+                        n_must_divide=self.n_out if self.gated and not self.interleaved else None,
+                        chip=self.chip, block_m=block_m, block_k=block_k, block_n=block_n,
+                        interleaved=self.interleaved)
 
   def table(self) -> BalancedTable:
     if self.active_groups is None:
@@ -227,13 +230,15 @@ class GmmCase:
 
     def fn(lhs, w, *rest):
       *scale, visit_table = rest
-      ops = lambda a: [(a, 0), (a, self.n_out // t.block_n)] if self.gated else [(a, 0)]
+      ops = lambda a: ([(a, 0), (a, self.n_out // t.block_n)]
+                       if self.gated and not self.interleaved else [(a, 0)])
       metadata = lambda *args, **kwargs: (visit_table, jnp.int32(num_visits))
       with visible_table(table, num_v), mock.patch.object(R, "group_metadata", metadata):
         return R._gmm_call(lhs, ops(w), ops(scale[0]) if scale else [], [], None, 0, t,
                            n_out=self.n_out, transpose_rhs=self.transpose_rhs,
                            epilogue=epilogue, out_dtype=self.result_dtype, chip=self.chip,
-                           interpret=interpret, num_visits=num_visits)
+                           interpret=interpret, num_visits=num_visits,
+                           interleaved=self.interleaved)
 
     return fn
 

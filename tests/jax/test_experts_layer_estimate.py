@@ -59,12 +59,14 @@ def test_routed_table_is_group_metadata(case):
     g.table().check(num_k_tiles=-(-g.k // g.tiling().block_k))
 
 
-@pytest.mark.parametrize("gated", [True, False])
-def test_routed_table_kernel_computes_the_grouped_matmul(gated):
-  """4 of 8 experts hit (every other one), 2 rows each; float64 reference."""
+@pytest.mark.parametrize("gated, interleaved", [(True, False), (False, False), (True, True)])
+def test_routed_table_kernel_computes_the_grouped_matmul(gated, interleaved):
+  """4 of 8 experts hit (every other one), 2 rows each; float64 reference. Interleaved:
+  gate / up in alternate weight rows, de-interleaved in the kernel (the "lanes" route)."""
   groups, hit, rows, k, n = 8, 4, 2, 256, 256
   m = hit * rows
-  case = X.RoutedGmm(m, groups, k, n, gated, "v6e", dtype="float32", hit=hit)
+  case = X.RoutedGmm(m, groups, k, n, gated, "v6e", dtype="float32", hit=hit,
+                     interleaved=interleaved)
   table = case.table()
   table.check(num_k_tiles=1)
   rng = np.random.default_rng(1)
@@ -80,8 +82,21 @@ def test_routed_table_kernel_computes_the_grouped_matmul(gated):
   got = np.asarray(jax.jit(case.function(hit, interpret=True))(x, w, visit_table))
   group_of_row = np.repeat(np.arange(groups), sizes)
   z = np.einsum("mk,mnk->mn", x.astype(np.float64), w[group_of_row].astype(np.float64))
-  want = z[:, :n] / (1 + np.exp(-z[:, :n])) * z[:, n:] if gated else z
+  gate, up = (z[:, 0::2], z[:, 1::2]) if interleaved else (z[:, :n], z[:, n:])
+  want = gate / (1 + np.exp(-gate)) * up if gated else z
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_gpt_oss_prefill_rates_the_kernel_moe_experts_runs():
+  """At 8192 tokens gpt-oss's interleaved gate/up takes the "lanes" route in ragged_dot (the
+  f32 intermediate would outweigh the weights); the estimate rates that kernel, and the
+  XLA gate part only where the route is "xla_gate" (decode)."""
+  for case in (c for c in headline.EXPERTS_LAYER if c.model == "gpt-oss-20b"):
+    parts = list(X.gmms(case, "v6e")) + list(X.glue_programs(case, "v6e"))
+    lanes = case.tokens == 8192
+    assert X.gate_up_route(case) == ("lanes" if lanes else "xla_gate")
+    assert X.gmms(case, "v6e")[parts[0]].interleaved == lanes
+    assert any(p.startswith("gate (XLA") for p in parts) != lanes
 
 
 def test_route_and_combine_match_numpy():
