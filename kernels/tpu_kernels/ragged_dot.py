@@ -42,6 +42,11 @@ block past the array end holds stale data, maybe NaN; in f32 on chips without a 
 vector unit, `_mask_k_tail`). Partial last blocks along m and n are clipped by Pallas
 on the way out.
 
+Gated, with gate and up interleaved in one weight (gpt-oss) at prefill ("lanes" in
+`gate_up_route`): n tile j reads the weight's columns [2 j bn, 2 (j + 1) bn) into one
+[bm, 2 bn] accumulator, and the epilogue splits it into gate and up exactly on the MXU
+(`_deinterleave_lanes`) before the gated unit.
+
 Backward (`_tgmm`) for d_rhs: grid (k tiles, n tiles, visits) over the local groups
 only (an empty group still gets one visit, which writes its zero gradient); rows of
 other groups are masked out of both operands before lhs_tile.T @ dz_tile.
