@@ -225,20 +225,26 @@ def op_cycles(hlo_text: str) -> list[tuple[str, int]]:
   return out
 
 
-def _glue_part(fn, specs, chip: str, min_bytes: int = 0) -> dict:
+def _compile_glue(fn, specs, chip: str):
+  """The glue program compiled for the chip, and XLA's cost_analysis of it."""
   device = aot.topology_device(chip)
   compiled = jax.jit(fn).trace(*[aot._on_device(s, device) for s in specs]).lower().compile()
   cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
+  return compiled, cost[0] if isinstance(cost, list) else cost
+
+
+def _glue_part(fn, specs, chip: str, min_bytes: int = 0) -> dict:
+  compiled, cost = _compile_glue(fn, specs, chip)
   ops = op_cycles(compiled.as_text())
   if not ops:
     raise RuntimeError("the compiled glue carries no estimated_cycles (profile flag off?)")
   unrated = [name for name, c in ops if c >= UNESTIMATED]
+  accessed = int(cost["bytes accessed"])
   part = dict(cycles=sum(c for _, c in ops if c < UNESTIMATED),
-              hbm_bytes=max(int(cost["bytes accessed"]), min_bytes), ops=len(ops),
+              hbm_bytes=max(accessed, min_bytes), ops=len(ops),
               method="static estimate of the compiled ops; bytes: cost_analysis")
-  if min_bytes > int(cost["bytes accessed"]):
-    part["method"] += (f" ({int(cost['bytes accessed'])}) raised to the {min_bytes} the "
+  if min_bytes > accessed:
+    part["method"] += (f" ({accessed}) raised to the {min_bytes} the "
                        "part must move (a kernel's own DMAs are not in cost_analysis)")
   if unrated:
     part["unrated_ops"] = unrated
@@ -250,10 +256,7 @@ def _glue_part(fn, specs, chip: str, min_bytes: int = 0) -> dict:
 def glue_cost_analysis(fn, specs, chip: str, min_bytes: int = 0) -> dict:
   """A glue part by XLA's cost_analysis (no profile flag): where the static estimator
   aborts on it (v5e: gathers and scatters, "Unsupported DMA direction: 10 on VL/VLP")."""
-  device = aot.topology_device(chip)
-  compiled = jax.jit(fn).trace(*[aot._on_device(s, device) for s in specs]).lower().compile()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
+  _, cost = _compile_glue(fn, specs, chip)
   seconds = float(cost["optimal_seconds"])
   if seconds <= 0:
     raise RuntimeError(f"cost_analysis gives optimal_seconds {seconds}")

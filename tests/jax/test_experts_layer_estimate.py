@@ -92,10 +92,11 @@ def test_gpt_oss_prefill_rates_the_kernel_moe_experts_runs():
   f32 intermediate would outweigh the weights); the estimate rates that kernel, and the
   XLA gate part only where the route is "xla_gate" (decode)."""
   for case in (c for c in headline.EXPERTS_LAYER if c.model == "gpt-oss-20b"):
-    parts = list(X.gmms(case, "v6e")) + list(X.glue_programs(case, "v6e"))
+    kernels = X.gmms(case, "v6e")
+    parts = list(kernels) + list(X.glue_programs(case, "v6e"))
     lanes = case.tokens == 8192
     assert X.gate_up_route(case) == ("lanes" if lanes else "xla_gate")
-    assert X.gmms(case, "v6e")[parts[0]].interleaved == lanes
+    assert kernels[parts[0]].interleaved == lanes
     assert any(p.startswith("gate (XLA") for p in parts) != lanes
 
 
