@@ -14,6 +14,11 @@ stores them; the key's `weight_dtype`), the quantized decode rows whose heuristi
 missed 0.85 of the quantized roofline: Mixtral-8x7B at m = 512 on both chips
 (`QUANTIZED_ROWS_BY_MODEL`). There the heuristic stays under the default scoped-VMEM
 limit and takes narrow n blocks, and the activations are re-read once per n block.
+And gpt-oss-20b's gate/up at the experts layer's prefill (8192 tokens x top-4 = 32768
+rows) on both chips (`INTERLEAVED_ROWS_BY_MODEL`): its interleaved columns take the
+"lanes" kernel (2 x block_n weight columns per tile, de-interleaved in the epilogue), a
+key of its own (`TuningKey.interleaved`). There too the heuristic stays under the
+default limit: on v5e it splits k, (512, 512, 256).
 
 Two routings. The headline rates the kernel at *balanced* routing: every group m / G
 rows, aligned with the row tiles. Real routing is not aligned: a group boundary inside
@@ -38,7 +43,8 @@ blocks, 14 GiB). Rating one is two compiles (10-80 s), too many to rate them all
 are ranked first by a traffic model (`modelled_seconds`: bytes moved over the HBM
 bandwidth, against padded MXU work at peak plus STEP_CYCLES per grid step). Rated: the
 heuristic's own pick, the best TOP_RATED by the model at unaligned routing, and the
-best by the model at balanced routing.
+best by the model at balanced routing; `--also` rates given blocks besides (the log
+keeps every rating, so they compete with the rest).
 
 The table: per key, among the rated candidates no slower than the heuristic's pick at
 balanced routing (so the headline's measure never gets worse), the one with the lowest
@@ -84,8 +90,8 @@ from tpu_kernels import chips, ragged_dot as R, vmem  # noqa: E402
 import headline  # noqa: E402
 import ragged_estimate  # noqa: E402
 
-MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3")
-MODELS_BY_CHIP = {"v5e": ("qwen3-30b-a3b", "mixtral-8x7b"), "v6e": MODELS}
+MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3", "gpt-oss-20b")
+MODELS_BY_CHIP = {"v5e": ("qwen3-30b-a3b", "mixtral-8x7b"), "v6e": MODELS[:4]}
 CHIPS = tuple(MODELS_BY_CHIP)
 ROWS = (512, 8192)
 # The headline model also at a long prefill's rows (8192 tokens x top-8 experts).
@@ -94,6 +100,13 @@ ROWS_BY_MODEL = {"qwen3-30b-a3b": (512, 8192, 65536)}
 # quantized decode rows whose heuristic tiling missed 0.85 of the quantized roofline
 # (docs/performance.md, "Quantized decode"), on both chips.
 QUANTIZED_ROWS_BY_MODEL = {"mixtral-8x7b": (512,)}
+# Interleaved gate/up columns (their own kernel body, the "lanes" route): gpt-oss-20b's
+# gate/up at its prefill row of the experts layer, 8192 tokens x top-4, on both chips.
+# Its down at prefill has a float32 output (moe_experts'), which the table does not key.
+INTERLEAVED_ROWS_BY_MODEL = {"gpt-oss-20b": (32768,)}
+# Down with a float32 output (moe_experts', summed in float32 by the combine): the experts
+# layer's prefill rows (8192 tokens x top-k) of its two models, on both chips.
+F32_OUT_ROWS_BY_MODEL = {"qwen3-30b-a3b": (65536,), "gpt-oss-20b": (32768,)}
 WEIGHT_DTYPES = ("bfloat16",) + R.QUANTIZED_DTYPE_NAMES
 STEP_CYCLES = 600     # rough cost of one grid step; only ranks candidates for rating
 TOP_RATED = 3
@@ -117,14 +130,20 @@ TABLE_ABOUT = [
 ]
 
 
+def model_shape(model: str) -> tuple[int, int, int]:
+  """(experts, hidden, expert width): the survey's models, and gpt-oss-20b (headline's)."""
+  return ragged_survey.MODELS.get(model) or headline.MOE_MODELS[model]
+
+
 def grid(chips_: tuple[str, ...] = CHIPS, models: tuple[str, ...] = MODELS,
          weight_dtypes: tuple[str, ...] = WEIGHT_DTYPES) -> list[R.TuningKey]:
-  """The keys of `chips_` x `models` x `weight_dtypes` that MODELS_BY_CHIP (bf16) and
-  QUANTIZED_ROWS_BY_MODEL (1-byte weights, every chip) tune."""
+  """The keys of `chips_` x `models` x `weight_dtypes` that MODELS_BY_CHIP (bf16),
+  QUANTIZED_ROWS_BY_MODEL (1-byte weights, every chip), INTERLEAVED_ROWS_BY_MODEL and
+  F32_OUT_ROWS_BY_MODEL (bf16, every chip) tune."""
   keys = []
   for chip in chips_:
     for model in models:
-      groups, hidden, width = ragged_survey.MODELS[model]
+      groups, hidden, width = model_shape(model)
       for wdt in weight_dtypes:
         if wdt == "bfloat16":
           rows = ROWS_BY_MODEL.get(model, ROWS) if model in MODELS_BY_CHIP[chip] else ()
@@ -133,6 +152,11 @@ def grid(chips_: tuple[str, ...] = CHIPS, models: tuple[str, ...] = MODELS,
         for m in rows:
           keys.append(R.TuningKey(chip, "bfloat16", wdt, 2, m, hidden, width, groups))  # gate/up
           keys.append(R.TuningKey(chip, "bfloat16", wdt, 1, m, width, hidden, groups))  # down
+      if "bfloat16" in weight_dtypes:
+        keys += [R.TuningKey(chip, "bfloat16", "bfloat16", 2, m, hidden, width, groups,
+                             interleaved=True) for m in INTERLEAVED_ROWS_BY_MODEL.get(model, ())]
+        keys += [R.TuningKey(chip, "bfloat16", "bfloat16", 1, m, width, hidden, groups,
+                             f32_out=True) for m in F32_OUT_ROWS_BY_MODEL.get(model, ())]
   return keys
 
 
@@ -142,7 +166,9 @@ def case(key: R.TuningKey, blocks: tuple[int, int, int] | None = None):
   return ragged_estimate.GmmCase(key.m_bucket, key.num_groups, key.k, key.n,
                                  key.num_rhs == 2, chip=key.chip, dtype=key.dtype,
                                  blocks=blocks, weight_dtype=key.weight_dtype,
-                                 transpose_rhs=not key.quantized)
+                                 transpose_rhs=not key.quantized,
+                                 interleaved=key.interleaved,
+                                 out_dtype="float32" if key.f32_out else None)
 
 
 def candidates(key: R.TuningKey) -> list[tuple[int, int, int]]:
@@ -153,18 +179,17 @@ def candidates(key: R.TuningKey) -> list[tuple[int, int, int]]:
   budget = vmem.vmem_budget(chip, chip.max_vmem_limit_bytes)
   block_ms = [b for b in (1 << i for i in range(3, 11))
               if sub <= b <= min(R.MAX_BLOCK_M, key.m_bucket)]
-  n_divides = key.n if key.num_rhs == 2 else None
   block_ks = R._lane_block_candidates(key.k, None, None)
-  block_ns = [b for b in R._lane_block_candidates(key.n, None, n_divides)
+  block_ns = [b for b in R._lane_block_candidates(key.n, None, key.n_must_divide)
               if b <= R.MAX_BLOCK_N]
   out = []
   for bm in block_ms:
     for bk in block_ks:
       for bn in block_ns:
         t = R.gmm_tiling(key.m_bucket, key.k, key.n, num_groups=key.num_groups, lhs_dtype=dt,
-                         rhs_dtype=wdt, out_dtype=dt, num_rhs=key.num_rhs,
-                         n_must_divide=n_divides, chip=key.chip, block_m=bm, block_k=bk,
-                         block_n=bn)
+                         rhs_dtype=wdt, out_dtype=key.out_dtype, num_rhs=key.num_rhs,
+                         n_must_divide=key.n_must_divide, chip=key.chip, block_m=bm,
+                         block_k=bk, block_n=bn, interleaved=key.interleaved)
         if t.vmem_plan_bytes <= budget:
           out.append((bm, bk, bn))
   return out
@@ -188,13 +213,14 @@ def modelled_bytes(key: R.TuningKey, blocks: tuple[int, int, int], visits: int) 
   fetched once."""
   bm, bk, bn = blocks
   item, w_item = jnp.dtype(key.dtype).itemsize, jnp.dtype(key.weight_dtype).itemsize
+  out_item = jnp.dtype(key.out_dtype).itemsize
   tiles_m, tiles_k, tiles_n = -(-key.m_bucket // bm), -(-key.k // bk), -(-key.n // bn)
   lhs_fetches, rhs_fetches = (tiles_m, key.num_groups) if tiles_k == 1 else (visits, visits)
   lhs = lhs_fetches * bm * tiles_k * bk * item
   rhs = rhs_fetches * key.num_rhs * tiles_k * bk * bn * w_item
   if key.quantized:   # a group's f32 scale row: once per group (any k split)
     rhs += key.num_groups * key.num_rhs * bn * 4
-  out = tiles_m * bm * bn * item
+  out = tiles_m * bm * bn * out_item
   if tiles_m == 1 and tiles_k == 1:
     return lhs + tiles_n * (rhs + out)
   return tiles_n * (lhs + rhs + out)
@@ -286,7 +312,7 @@ def summary(rows: list[dict]) -> list[str]:
   balanced / unaligned routing of the heuristic's pick and of the table's entry."""
   table = table_from_ratings(rows)
   lines = ["| chip | model | m | part | heuristic | tuned | blocks |", "|---|---|---:|---|---|---|---|"]
-  by_shape = {(g, h, w): name for name, (g, h, w) in ragged_survey.MODELS.items()}
+  by_shape = {model_shape(name): name for name in MODELS}
   for key in grid():
     mine, own = _rated(rows, key)
     gate_up = key.num_rhs == 2
@@ -302,7 +328,8 @@ def summary(rows: list[dict]) -> list[str]:
     tuned = (efficiency(next(r for r in mine if tuple(r["blocks"]) == entry)) if entry
              else "no entry")
     part = ("gate/up" if gate_up else "down") + (
-        f" {key.weight_dtype}" if key.quantized else "")
+        f" {key.weight_dtype}" if key.quantized else "") + (
+        " (interleaved)" if key.interleaved else "") + (" (f32 out)" if key.f32_out else "")
     lines.append(f"| {key.chip} | {model} | {key.m_bucket} | {part} "
                  f"| {heuristic} | {tuned} | {entry or ''} |")
   return lines
@@ -315,10 +342,11 @@ def merged_log(old_rows: list[dict], new_rows: list[dict]) -> list[dict]:
   candidates afresh, and a candidate rated before stays a valid choice). Ratings are
   deterministic, so a kept row is what a re-rating would give, while the kernel's
   program for those blocks is unchanged: re-rate every key after a kernel change."""
-  new_keys = {tuple(r["key"]) for r in new_rows}
-  fresh = {(tuple(r["key"]), tuple(r["blocks"])) for r in new_rows}
-  kept = [r for r in old_rows if (tuple(r["key"]), tuple(r["blocks"])) not in fresh
-          and not (r["heuristic"] and tuple(r["key"]) in new_keys)]
+  key = lambda r: R.TuningKey(*r["key"])   # a row logged before a field was added: its default
+  new_keys = {key(r) for r in new_rows if r["heuristic"]}   # keys whose pick was re-rated
+  fresh = {(key(r), tuple(r["blocks"])) for r in new_rows}
+  kept = [r for r in old_rows if (key(r), tuple(r["blocks"])) not in fresh
+          and not (r["heuristic"] and key(r) in new_keys)]
   return kept + new_rows
 
 
@@ -348,6 +376,11 @@ def main(argv=None) -> int:
                  help="re-rate these models' keys; the log's rows for the others are kept")
   p.add_argument("--weight-dtypes", nargs="+", default=list(WEIGHT_DTYPES),
                  choices=WEIGHT_DTYPES, help="re-rate the keys of these weight dtypes only")
+  p.add_argument("--also", nargs="+", default=[], metavar="BM,BK,BN",
+                 help="rate only these blocks, for each key that accepts them (candidates "
+                      "the traffic model ranks low), keeping the log's other ratings")
+  p.add_argument("--unrated", action="store_true",
+                 help="rate only the keys the log holds no rating of (keys new to the grid)")
   p.add_argument("--summary", action="store_true",
                  help="print the efficiency table of the log's ratings (docs/performance.md's) and exit")
   a = p.parse_args(argv)
@@ -369,9 +402,17 @@ def main(argv=None) -> int:
                            RETRY_MEMORY_BYTES) for r in tuning.read_log(a.log)]
     tuning.write_log(a.log, rows)
   else:
-    jobs = [(key, blocks, i == 0)
-            for key in grid(tuple(a.chips), tuple(a.models), tuple(a.weight_dtypes))
-            for i, blocks in enumerate(to_rate(key))]
+    also = [tuple(int(x) for x in b.split(",")) for b in a.also]
+    jobs = []
+    logged = {R.TuningKey(*r["key"]) for r in tuning.read_log(a.log)}
+    for key in grid(tuple(a.chips), tuple(a.models), tuple(a.weight_dtypes)):
+      if a.unrated and key in logged:
+        continue
+      if also:
+        own = heuristic_blocks(key)
+        jobs += [(key, b, b == own) for b in also if b in candidates(key)]
+      else:
+        jobs += [(key, b, i == 0) for i, b in enumerate(to_rate(key))]
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
       new_rows = list(pool.map(lambda job: _rate_in_child(*job), jobs))
     rows = merged_log(tuning.read_log(a.log), new_rows)

@@ -66,6 +66,7 @@ class Program:
   direction: str         # "fwd" or "bwd"
   weight_dtype: str = "bfloat16"
   dtype: str = "bfloat16"
+  out_dtype: str | None = None   # None: dtype (float32: moe_experts' down)
 
   @property
   def gated(self) -> bool:
@@ -82,7 +83,8 @@ class Program:
   @property
   def label(self) -> str:
     w = "" if self.weight_dtype == self.dtype else f" {self.weight_dtype} weights"
-    return f"{self.model.name} {self.projection} {self.direction} m={self.m}{w}"
+    out = f" {self.out_dtype} out" if self.out_dtype else ""
+    return f"{self.model.name} {self.projection} {self.direction} m={self.m}{w}{out}"
 
   @property
   def transposed(self) -> bool:
@@ -130,7 +132,7 @@ class Program:
       op = functools.partial(R.gated_ragged_dot, activation=md.activation, layout=md.layout,
                              **kw)
     else:
-      op = functools.partial(R.ragged_dot, **kw)
+      op = functools.partial(R.ragged_dot, out_dtype=self.out_dtype, **kw)
     has_scale = self.weight_dtype != self.dtype
 
     def fn(x, w, gs, *rest):
@@ -167,7 +169,8 @@ class Program:
                          n_must_divide=n_full // 2 if route == "blocks" else None,
                          interleaved=route == "lanes", **common)
     else:
-      fwd = R.gmm_tiling(m, k, n_full, rhs_dtype=wdt, out_dtype=dt, **common)
+      fwd = R.gmm_tiling(m, k, n_full, rhs_dtype=wdt, out_dtype=jnp.dtype(self.out_dtype or dt),
+                         **common)
     out = [("fwd", fwd)]
     if self.direction == "bwd":
       if self.gated:

@@ -261,28 +261,45 @@ class TuningKey:
   k: int
   n: int              # output columns per weight column set (I for gate/up)
   num_groups: int     # local groups
+  # gate/up columns interleaved in one weight (gpt-oss at prefill, the "lanes" route): a
+  # different kernel body (2 * block_n weight columns per tile, the de-interleave)
+  interleaved: bool = False
+  # a float32 output of a call in another dtype (moe_experts' down projection, summed in
+  # float32 by the combine): twice the output bytes, so a tiling of its own
+  f32_out: bool = False
 
   @property
   def quantized(self) -> bool:
     """1-byte weights with a scale (bf16 activations and output)."""
     return self.weight_dtype != self.dtype
 
+  @property
+  def out_dtype(self) -> str:
+    return "float32" if self.f32_out else self.dtype
+
+  @property
+  def n_must_divide(self) -> int | None:
+    """`gmm_tiling`'s n_must_divide for the key's calls: the halves of a concatenated
+    gate/up weight are addressed in whole blocks; interleaved columns are not."""
+    return self.n if self.num_rhs == 2 and not self.interleaved else None
+
 
 TUNED_VALUE_FIELDS = ("block_m", "block_k", "block_n")
-# {(chip, dtype, weight_dtype, num_rhs, m_bucket, k, n, num_groups): (block_m, block_k, block_n)}
+# {(chip, dtype, weight_dtype, num_rhs, m_bucket, k, n, num_groups, interleaved, f32_out):
+#  (block_m, block_k, block_n)}
 TUNED_BLOCKS = tuning_tables.load("ragged_dot", TuningKey, TUNED_VALUE_FIELDS)
 
 
 def tuning_key(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs,
-               chip) -> TuningKey | None:
-  """The table key of a forward call, or None when the output's dtype is not lhs's (f32
-  outputs of a bf16 matmul: the heuristic decides those) or the weights' dtype is neither
-  lhs's nor a quantized one."""
+               chip, interleaved=False) -> TuningKey | None:
+  """The table key of a forward call, or None when the output's dtype is neither lhs's
+  nor float32, or the weights' dtype is neither lhs's nor a quantized one."""
   lhs, rhs, out = (np.dtype(d).name for d in (lhs_dtype, rhs_dtype, out_dtype))
-  if out != lhs or (rhs != lhs and rhs not in QUANTIZED_DTYPE_NAMES):
+  f32_out = out == "float32" and lhs != "float32"
+  if (out != lhs and not f32_out) or (rhs != lhs and rhs not in QUANTIZED_DTYPE_NAMES):
     return None
   return TuningKey(chips.get_chip(chip).name, lhs, rhs, num_rhs, _next_pow2(m), k, n,
-                   num_groups)
+                   num_groups, interleaved, f32_out)
 
 
 def tuned_blocks(m, k, n, **key_args) -> tuple[int, int, int] | None:
@@ -348,7 +365,7 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
   if block_m is None and block_k is None and block_n is None and vmem_limit_bytes is None:
     tuned = tuned_blocks(m, k, n, num_groups=num_groups, lhs_dtype=lhs_dtype,
                          rhs_dtype=rhs_dtype, out_dtype=out_dtype, num_rhs=num_rhs,
-                         chip=chip_.name)
+                         chip=chip_.name, interleaved=interleaved)
     if tuned and tuned[0] % sub == 0 and tuned[1] in k_cands and tuned[2] in n_cands:
       bm, bk, bn = min(tuned[0], m), tuned[1], tuned[2]
       tuned_limit, tuned_budget = _resolve_limit(chip_, max(plan(bm, bk, bn), smallest), None)

@@ -5,11 +5,12 @@ tuner in benchmarks/ (`write`), read by the kernel at import (`load`):
 
     {"kernel": "ragged_dot", "chip": "v6e",
      "generated_by": "python benchmarks/tune_ragged_dot.py",
-     "key": ["dtype", "weight_dtype", "num_rhs", "m_bucket", "k", "n", "num_groups"],
+     "key": ["dtype", "weight_dtype", "num_rhs", "m_bucket", "k", "n", "num_groups",
+             "interleaved", "f32_out"],
      "value": ["block_m", "block_k", "block_n"],
      "about": ["what the entries are and how they were chosen", ...],
      "entries": [
-       [["bfloat16", "bfloat16", 1, 512, 768, 2048, 128], [64, 768, 2048]],
+       [["bfloat16", "bfloat16", 1, 512, 768, 2048, 128, false, false], [64, 768, 2048]],
        ...]}
 
 `key` names the fields of the kernel's `TuningKey` after `chip` (the file's chip), in

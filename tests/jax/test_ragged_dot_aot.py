@@ -114,14 +114,19 @@ def test_quantized_weights_with_a_k_tail_compile(weight_dtype, chip):
 def _tuned_program(entry) -> Program:
   """The forward program of the entry's key: its model's projection (bf16 weights
   (G, out, in), 1-byte ones (G, in, out) with a scale, as quantize_experts_ stores them;
-  concatenated gate/up, silu) at the bucket's rows."""
+  gate/up concatenated or, for an interleaved key, interleaved (the "lanes" route at
+  the key's rows), silu; down in float32 for an f32_out key) at the bucket's rows."""
   key = R.TuningKey(*entry)
   gated = key.num_rhs == 2
   hidden, width = (key.k, key.n) if gated else (key.n, key.k)
   model = Model(f"tuned G={key.num_groups} H={hidden} I={width}", key.num_groups, hidden,
-                width, True, "concatenated", "silu", False)
-  return Program(model, key.m_bucket, "gate_up" if gated else "down", "fwd",
-                 weight_dtype=key.weight_dtype, dtype=key.dtype)
+                width, True, "interleaved" if key.interleaved else "concatenated", "silu",
+                False)
+  program = Program(model, key.m_bucket, "gate_up" if gated else "down", "fwd",
+                    weight_dtype=key.weight_dtype, dtype=key.dtype,
+                    out_dtype="float32" if key.f32_out else None)
+  assert not key.interleaved or program.gate_up_route == "lanes", program.label
+  return program
 
 
 @pytest.mark.parametrize("entry", sorted(R.TUNED_BLOCKS),

@@ -23,15 +23,21 @@ def _tiling(key: R.TuningKey, m: int, **blocks) -> R.Tiling:
   dt = jnp.dtype(key.dtype)
   return R.gmm_tiling(m, key.k, key.n, num_groups=key.num_groups, lhs_dtype=dt,
                       rhs_dtype=jnp.dtype(key.weight_dtype),
-                      out_dtype=dt, num_rhs=key.num_rhs,
-                      n_must_divide=key.n if key.num_rhs == 2 else None, chip=key.chip,
-                      **blocks)
+                      out_dtype=jnp.dtype(key.out_dtype), num_rhs=key.num_rhs,
+                      n_must_divide=key.n_must_divide,
+                      chip=key.chip, interleaved=key.interleaved, **blocks)
+
+
+def _entry(chip, num_rhs, m, k, n, groups, **fields) -> tuple:
+  """The table's key tuple of a bf16 call."""
+  return dataclasses.astuple(R.TuningKey(chip, "bfloat16", "bfloat16", num_rhs, m, k, n,
+                                         groups, **fields))
 
 
 def test_the_table_covers_the_shapes_the_survey_found_slow():
   """Mixtral-8x7B's prefill down projection rated 0.40 of the roofline with the heuristic
   tiles (benchmarks/results/ragged_survey.jsonl): the tuner's winner must be in the table."""
-  assert ("v6e", "bfloat16", "bfloat16", 1, 8192, 14336, 4096, 8) in TABLE
+  assert _entry("v6e", 1, 8192, 14336, 4096, 8) in TABLE
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
@@ -39,7 +45,7 @@ def test_the_table_covers_the_headline_prefill(chip):
   """Qwen3-30B-A3B's experts at m=8192 with the heuristic tiles rated 0.51-0.57 of the
   roofline at unaligned routing on both chips (benchmarks/results/ragged_tuning.jsonl)."""
   for num_rhs, k, n in [(2, 2048, 768), (1, 768, 2048)]:
-    assert (chip, "bfloat16", "bfloat16", num_rhs, 8192, k, n, 128) in TABLE
+    assert _entry(chip, num_rhs, 8192, k, n, 128) in TABLE
 
 
 @pytest.mark.parametrize("entry", sorted(TABLE), ids=lambda e: "-".join(map(str, e)))
@@ -48,8 +54,8 @@ def test_every_key_is_produced_by_the_lookup(entry):
   key = R.TuningKey(*entry)
   for m in (key.m_bucket, key.m_bucket // 2 + 1):
     assert R.tuning_key(m, key.k, key.n, num_groups=key.num_groups, lhs_dtype=key.dtype,
-                        rhs_dtype=key.weight_dtype, out_dtype=key.dtype, num_rhs=key.num_rhs,
-                        chip=key.chip) == key
+                        rhs_dtype=key.weight_dtype, out_dtype=key.out_dtype,
+                        num_rhs=key.num_rhs, chip=key.chip, interleaved=key.interleaved) == key
 
 
 @pytest.mark.parametrize("entry", sorted(TABLE), ids=lambda e: "-".join(map(str, e)))
@@ -58,7 +64,7 @@ def test_every_entry_is_a_legal_block_that_fits_and_is_used(entry):
   chip = chips.get_chip(key.chip)
   assert block_m & (block_m - 1) == 0 and block_m <= R.MAX_BLOCK_M
   assert block_k in R._lane_block_candidates(key.k, None, None)
-  assert block_n in R._lane_block_candidates(key.n, None, key.n if key.num_rhs == 2 else None)
+  assert block_n in R._lane_block_candidates(key.n, None, key.n_must_divide)
   for m in (key.m_bucket, key.m_bucket // 2 + 1):
     t = _tiling(key, m)
     assert (t.block_m, t.block_k, t.block_n) == (min(block_m, m), block_k, block_n)
@@ -72,6 +78,34 @@ def _blocks(t: R.Tiling) -> tuple[int, int, int]:
   return t.block_m, t.block_k, t.block_n
 
 
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_the_experts_layers_prefill_kernels_have_keys_of_their_own(chip):
+  """moe_experts at 8192 tokens: gpt-oss's gate/up takes the "lanes" kernel (interleaved
+  columns: 2 x block_n weight columns per tile and the de-interleave) and both models'
+  down write float32. Each is its own key, so an entry for the concatenated gate/up or the
+  bf16-out down of the same shape never tiles them, nor theirs those."""
+  interleaved = R.TuningKey(chip, "bfloat16", "bfloat16", 2, 32768, 2880, 2880, 32,
+                            interleaved=True)
+  args = dict(num_groups=32, lhs_dtype=BF16, rhs_dtype=BF16, out_dtype=BF16, num_rhs=2,
+              chip=chip)
+  assert R.tuning_key(32768, 2880, 2880, interleaved=True, **args) == interleaved
+  assert R.tuning_key(32768, 2880, 2880, **args) == dataclasses.replace(interleaved,
+                                                                        interleaved=False)
+  downs = [R.TuningKey(chip, "bfloat16", "bfloat16", 1, m, k, n, g, f32_out=True)
+           for m, k, n, g in [(65536, 768, 2048, 128), (32768, 2880, 2880, 32)]]
+  for key in [interleaved] + downs:   # each tuned (benchmarks/tune_ragged_dot.py)
+    entry = TABLE[dataclasses.astuple(key)]
+    assert _blocks(_tiling(key, key.m_bucket)) == entry
+    fake = (16, *entry[1:])   # a legal entry no heuristic picks
+    with mock.patch.dict(R.TUNED_BLOCKS, {dataclasses.astuple(key): fake}):
+      assert _blocks(_tiling(key, key.m_bucket)) == fake
+      # the concatenated gate/up ("split": halves off the lane grid) / the bf16-out down
+      other = R.gmm_tiling(key.m_bucket, key.k, key.n, num_groups=key.num_groups,
+                           lhs_dtype=BF16, rhs_dtype=BF16, out_dtype=BF16,
+                           num_rhs=key.num_rhs, chip=chip)
+      assert _blocks(other) != fake
+
+
 def test_outside_the_table_the_heuristic_decides():
   key = R.TuningKey("v6e", "bfloat16", "bfloat16", 1, 8192, 14336, 4096, 8)
   with mock.patch.dict(R.TUNED_BLOCKS, clear=True):
@@ -81,8 +115,8 @@ def test_outside_the_table_the_heuristic_decides():
     # Explicit blocks or a limit from the caller bypass the table.
     assert _blocks(_tiling(key, 8192, block_m=128)) != (64, 256, 256)
     assert _blocks(_tiling(key, 8192, vmem_limit_bytes=32 * vmem.MiB)) == _blocks(want)
-    # Another bucket of m, another chip, or another weight dtype miss the key; an output
-    # dtype other than lhs's (the f32 pre-activation of XLA's gate) has no key at all.
+    # Another bucket of m, another chip, another weight dtype or a float32 output (its
+    # own key) miss the key; an output dtype neither lhs's nor float32 has no key at all.
     assert _blocks(_tiling(key, 2048)) != (64, 256, 256)
     assert _blocks(_tiling(dataclasses.replace(key, chip="v5e"), 8192)) != (64, 256, 256)
     assert _blocks(_tiling(dataclasses.replace(key, weight_dtype="int8"), 8192)) != (64, 256, 256)
@@ -90,7 +124,11 @@ def test_outside_the_table_the_heuristic_decides():
                         out_dtype=BF16, num_rhs=1, chip="v6e") == dataclasses.replace(
                             key, weight_dtype="int8")
     assert R.tuning_key(8192, key.k, key.n, num_groups=8, lhs_dtype=BF16, rhs_dtype=BF16,
-                        out_dtype=jnp.float32, num_rhs=1, chip="v6e") is None
+                        out_dtype=jnp.float32, num_rhs=1, chip="v6e") == dataclasses.replace(
+                            key, f32_out=True)
+    assert _blocks(_tiling(dataclasses.replace(key, f32_out=True), 8192)) != (64, 256, 256)
+    assert R.tuning_key(8192, key.k, key.n, num_groups=8, lhs_dtype=jnp.float32,
+                        rhs_dtype=jnp.float32, out_dtype=BF16, num_rhs=1, chip="v6e") is None
   # 384 is not a block the kernel takes (above 256 it cuts lanes in multiples of 256):
   # the entry is ignored.
   with mock.patch.dict(R.TUNED_BLOCKS, {dataclasses.astuple(key): (64, 256, 384)}):
@@ -135,6 +173,9 @@ def test_a_rerun_keeps_a_keys_other_ratings_and_replaces_its_heuristic():
   new = [row(a, (32, 512, 512), heuristic=True, us=2.0), row(a, (256, 512, 512), us=2.0)]
   assert T.merged_log(old, new) == [row(a, (128, 512, 512)), row(b, (64, 512, 512), heuristic=True),
                                     *new]
+  # A run of other blocks only (`--also`: no heuristic rating) keeps the key's pick.
+  extra = [row(b, (32, 512, 512))]
+  assert T.merged_log(old, extra) == old + extra
 
 
 def test_summary_rates_against_the_roofline_and_is_the_performance_page_table():
