@@ -17,8 +17,11 @@ limit and takes narrow n blocks, and the activations are re-read once per n bloc
 And gpt-oss-20b's gate/up at the experts layer's prefill (8192 tokens x top-4 = 32768
 rows) on both chips (`INTERLEAVED_ROWS_BY_MODEL`): its interleaved columns take the
 "lanes" kernel (2 x block_n weight columns per tile, de-interleaved in the epilogue), a
-key of its own (`TuningKey.interleaved`). There too the heuristic stays under the
-default limit: on v5e it splits k, (512, 512, 256).
+key of its own (`TuningKey.interleaved`). And the experts layer's down projection at
+those prefill rows (65536 for Qwen3-30B-A3B, 32768 for gpt-oss-20b), which writes
+float32 for the combine (`F32_OUT_ROWS_BY_MODEL`, key `TuningKey.f32_out`). There too
+the heuristic stays under the default limit and splits k: (512, 512, 256) for gpt-oss's
+gate/up on v5e.
 
 Two routings. The headline rates the kernel at *balanced* routing: every group m / G
 rows, aligned with the row tiles. Real routing is not aligned: a group boundary inside
@@ -102,7 +105,6 @@ ROWS_BY_MODEL = {"qwen3-30b-a3b": (512, 8192, 65536)}
 QUANTIZED_ROWS_BY_MODEL = {"mixtral-8x7b": (512,)}
 # Interleaved gate/up columns (their own kernel body, the "lanes" route): gpt-oss-20b's
 # gate/up at its prefill row of the experts layer, 8192 tokens x top-4, on both chips.
-# Its down at prefill has a float32 output (moe_experts'), which the table does not key.
 INTERLEAVED_ROWS_BY_MODEL = {"gpt-oss-20b": (32768,)}
 # Down with a float32 output (moe_experts', summed in float32 by the combine): the experts
 # layer's prefill rows (8192 tokens x top-k) of its two models, on both chips.
@@ -117,6 +119,8 @@ TABLE_ABOUT = [
     "Forward grouped-matmul blocks (block_m, block_k, block_n) per key.",
     "A key whose weight_dtype is not its dtype is a call with int8 / float8_e4m3fn weights "
     "[G, k, n] and their float32 scale, bf16 activations (as quantize_experts_ stores them).",
+    "interleaved: gate/up columns interleaved in one weight (gpt-oss; the 'lanes' kernel). "
+    "f32_out: a float32 output of a bf16 call (the experts layer's down projection).",
     "Each rated candidate has two predictions, max(cycles / clock, bytes moved / HBM "
     "bandwidth), from libtpu's static estimate (benchmarks/ragged_estimate.py): at balanced "
     "routing (groups aligned with the row tiles, as the headline rates) and at unaligned "

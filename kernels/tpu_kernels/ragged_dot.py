@@ -254,7 +254,7 @@ class TuningKey:
   """The bucket of a forward call shape in the tuning table (tuned/ragged_dot.<chip>.json)."""
 
   chip: str
-  dtype: str          # lhs and output
+  dtype: str          # lhs, and output unless f32_out
   weight_dtype: str   # dtype, or int8 / float8_e4m3fn (with a scale)
   num_rhs: int        # 2: the gated gate/up (two weight column sets); 1: plain
   m_bucket: int       # rows rounded up to a power of two
@@ -270,7 +270,7 @@ class TuningKey:
 
   @property
   def quantized(self) -> bool:
-    """1-byte weights with a scale (bf16 activations and output)."""
+    """1-byte weights with a scale (bf16 activations)."""
     return self.weight_dtype != self.dtype
 
   @property
