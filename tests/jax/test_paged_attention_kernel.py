@@ -355,6 +355,25 @@ def test_window_of_one_sees_only_itself(dtype):
       np.testing.assert_array_equal(out[cu[s] + i], v)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_every_cache_code_widens_exactly(kv_dtype):
+  """All 256 codes of a 1-byte cache as V rows, each query seeing only its own token (window
+  1, v_scale 1): out is each code's value bit for bit, NaN codes NaN. The kernel hands the
+  1-byte blocks to the MXU unconverted (Mosaic widens them); this is what it must get."""
+  p = _problem(kv_lens=[2], q_lens=[2], page_size=16, pad_tokens=0, extra_table=0,
+               share=False, repeat=False, dtype="bfloat16", kv_dtype=kv_dtype,
+               num_kv_heads=1, group=1, head_dim=128, sliding_window=1)
+  x = _inputs(p)
+  codes = np.arange(256, dtype=np.uint8).view(NP[kv_dtype]).reshape(2, 128)
+  page = x["page_indices"][0, 0]
+  x["v_pages"][page, 0, :2] = codes
+  x["v_scale"] = 1.0
+  out = np.asarray(_run(p, x)).astype(np.float32)
+  want = codes.astype(np.float32)
+  assert np.isnan(want).sum() == (2 if kv_dtype == "float8_e4m3fn" else 0)
+  np.testing.assert_array_equal(out[:, 0], want)
+
+
 @pytest.mark.parametrize("kv_len, window, block_kv", [
     (37, 1, None), (37, 5, None), (33, 1, None), (37, 5, 16), (37, 16, None), (48, 3, None)])
 def test_nan_past_the_length_never_leaks(kv_len, window, block_kv):
