@@ -1,6 +1,6 @@
 """Tunes paged attention's decode block_kv with libtpu's static estimate; writes the table.
 
-    python benchmarks/tune_paged_attention.py [--chips v6e] [--from-log]
+    python benchmarks/tune_paged_attention.py [--chips v6e] [--from-log] [--markdown]
 
 For every key of the grid below (chip, cache dtype, page size, head_dim, KV heads), each
 block_kv candidate that the kernel allows (a multiple of the page size, at most 64 pages,
@@ -56,9 +56,9 @@ GROUP = 4
 
 def grid(chips_: tuple[str, ...] = CHIPS) -> list[PA.TuningKey]:
   """The decode buckets tuned so far: Llama-3-8B-like heads (32 / 8, D 128) at the page
-  sizes serving engines use, bf16 and int8 caches. Other buckets use the heuristic."""
+  sizes serving engines use, bf16, int8 and fp8 caches. Other buckets use the heuristic."""
   return [PA.TuningKey(chip, kv_dtype, page_size, 128, 8) for chip in chips_
-          for kv_dtype in ("bfloat16", "int8") for page_size in (16, 64, 256)]
+          for kv_dtype in ("bfloat16", "int8", "float8_e4m3fn") for page_size in (16, 64, 256)]
 
 
 def candidates(key: PA.TuningKey) -> list[int]:
@@ -98,14 +98,39 @@ def table_from_ratings(rows: list[dict]) -> dict[PA.TuningKey, int]:
   return table
 
 
+def markdown(rows: list[dict]) -> str:
+  """The winner of every key of the grid as a markdown table (paged-attention-tpu's card,
+  "More performance"), or why a key keeps the heuristic."""
+  table = table_from_ratings(rows)
+  out = ["| chip | cache | page size | block_kv | compute (static) | HBM bound | prediction "
+         "| efficiency |", "|---|---|---|---|---|---|---|---|"]
+  for key in grid():
+    head = f"| {key.chip} | {key.kv_dtype} | {key.page_size} |"
+    if key not in table:
+      mine = [r for r in rows if PA.TuningKey(*r["key"]) == key]
+      failed = ", ".join(str(r["block_kv"]) for r in mine if not r["estimated_cycles"])
+      why = f"the estimator aborts at block_kv {failed}" if failed else "not every candidate rated"
+      out.append(f"{head} heuristic | not rated: {why} ||||")
+      continue
+    r = next(r for r in rows if PA.TuningKey(*r["key"]) == key and r["block_kv"] == table[key])
+    out.append(f"{head} {table[key]} | {r['compute_us']:,.0f} µs | {r['hbm_us']:,.0f} µs | "
+               f"{r['predicted_us']:,.0f} µs | {r['efficiency']:.2f} |")
+  return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
   p = tuning.argument_parser(__doc__, ROOT / "benchmarks/results/paged_tuning.jsonl", CHIPS)
+  p.add_argument("--markdown", action="store_true",
+                 help="print the card's table of winners from --log (no estimator)")
   p.add_argument("--key", help=argparse.SUPPRESS)   # internal: rate one key, print JSON lines
   p.add_argument("--block-kv", type=int, help=argparse.SUPPRESS)   # ... at this candidate
   a = p.parse_args(argv)
   if a.key:
     for row in rate(PA.TuningKey(*json.loads(a.key)), a.block_kv):
       tuning.print_row(row)
+    return 0
+  if a.markdown:
+    print(markdown(tuning.read_log(a.log)), end="")
     return 0
   if a.from_log:
     rows = tuning.read_log(a.log)

@@ -171,3 +171,14 @@ def test_tables_are_reproduced_from_their_logs(tuner, kernel, tmp_path):
   assert [p.name for p in sorted(tmp_path.iterdir())] == [p.name for p in shipped]
   for path in shipped:
     assert (tmp_path / path.name).read_text() == path.read_text()
+
+
+def test_paged_attention_card_shows_its_tuning_log():
+  """paged-attention-tpu's card quotes the tuner's table of winners as the shipped log makes
+  it (`tune_paged_attention.py --markdown`), so the card cannot drift from the table."""
+  result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tune_paged_attention.py"),
+                           "--markdown"], capture_output=True, text=True, env=tuning.child_env())
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.count("\n") == 2 + 18   # header, rule, one row per key of the grid
+  card = (ROOT / "torch-ext" / "paged_attention_tpu" / "CARD.md").read_text()
+  assert result.stdout in card
