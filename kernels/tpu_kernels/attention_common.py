@@ -1,11 +1,14 @@
 """What flash attention and paged attention share: the masked-logit value, the
-lane-replicated softmax statistics, and the checks of the softmax options.
+lane-replicated softmax statistics, the softmax's exp on raw logits, and the checks of the
+softmax options.
 
 Pure JAX, no kernel of its own. Both kernel modules import it; the build vendors it
 into each of their Hub repos (build.toml kernel-modules).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +31,16 @@ def lanes(x, width: int):
   if width < LANES:
     return x[:, :width]
   return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
+
+
+def scaled_exp(unit: float):
+  """x -> exp(unit * x), for an online softmax kept in raw logits (unit = sm_scale): one
+  exp2 of x * (unit log2 e), since exp is an exp2 after a multiply by log2 e anyway. For
+  unit 1.0 (logits already scaled) plain exp."""
+  if unit == 1.0:
+    return jnp.exp
+  factor = unit * math.log2(math.e)
+  return lambda x: jnp.exp2(x * factor)
 
 
 def check_softmax_options(sliding_window, soft_cap, sinks, num_q_heads: int) -> None:

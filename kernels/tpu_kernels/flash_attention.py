@@ -579,7 +579,7 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
   raw = _raw_logits(st)
   triangular = _triangular_diagonal(st, padded_keys)
   unit = st.sm_scale if raw else 1.0
-  exp_scaled = (lambda x: jnp.exp2(x * (unit * math.log2(math.e)))) if raw else jnp.exp
+  exp_scaled = common.scaled_exp(unit)
 
   @pl.when(starts)
   def _init():

@@ -471,10 +471,16 @@ def _kernel(*refs, st: _Static):
   bkv = st.block_kv
   del slot_pages_ref, first_page_ref, last_page_ref
 
+  # m_ref (the running max) and the logits are raw q . k when `raw`, else scaled ones;
+  # exp_scaled(x) = exp(unit * x) turns a difference of them into a softmax weight.
+  raw = _raw_logits(st)
+  unit = st.sm_scale if raw else 1.0
+  exp_scaled = common.scaled_exp(unit)
+
   @pl.when(step == 0)
   def _init():
     if st.has_sinks:   # the sink joins the softmax as one more logit with no value
-      m_ref[...] = sinks_ref[...]
+      m_ref[...] = sinks_ref[...] / unit
       l_ref[...] = jnp.ones_like(l_ref)
     else:
       m_ref[...] = jnp.full_like(m_ref, _MASK_VALUE)
@@ -514,11 +520,16 @@ def _kernel(*refs, st: _Static):
       # in a vunpack) for int8 and fp8; int8 rates the same either way on v6e.
       k = jnp.concatenate([r[page_rows, :] for r in k_refs], axis=0)  # (bkv, D)
       s = lax.dot_general(q_ref[heads, :], k, _NT, preferred_element_type=jnp.float32)
-      s = s * (st.sm_scale * scales_ref[0, h] if st.quantized else st.sm_scale)
+      if not raw:
+        s = s * (st.sm_scale * scales_ref[0, h] if st.quantized else st.sm_scale)
       if st.soft_cap is not None:
         s = st.soft_cap * jnp.tanh(s * (1.0 / st.soft_cap))
       if masked:
-        s = jnp.where(visible, s, _MASK_VALUE)
+        # -inf, not _MASK_VALUE: the running max starts finite (_MASK_VALUE or a sink), so
+        # m_new is finite and a hidden key's p = exp(-inf - m_new) is exactly 0, also in a
+        # row that has seen no key yet. So p needs no select of its own, and the mask dies
+        # before the exp (as in flash_attention).
+        s = jnp.where(visible, s, -jnp.inf)
       return s
 
     def update(h, s):
@@ -529,10 +540,8 @@ def _kernel(*refs, st: _Static):
         v = jnp.where(needed, v, jnp.zeros_like(v))
       m_prev = m_ref[heads, :]                                  # (rows, 128), lanes equal
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-      p = jnp.exp(s - common.lanes(m_new, bkv))
-      if masked:
-        p = jnp.where(visible, p, 0.0)
-      alpha = jnp.exp(m_prev - m_new)
+      p = exp_scaled(s - common.lanes(m_new, bkv))
+      alpha = exp_scaled(m_prev - m_new)
       l_ref[heads, :] = alpha * l_ref[heads, :] + jnp.sum(p, axis=1, keepdims=True)
       acc_ref[heads, :] = common.lanes(alpha, head_dim) * acc_ref[heads, :] + lax.dot_general(
           p.astype(dtype), v, _NN, preferred_element_type=jnp.float32)
@@ -620,6 +629,15 @@ def _fetch_block(st: _Static, tables, hbm, bufs, sems, w, t, steps, slot, start:
       for i in range(n):
         pl.when((page0 + i >= first_page) & (page0 + i <= last_page))(
             functools.partial(copy, i))
+
+
+def _raw_logits(st: _Static) -> bool:
+  """Whether the online softmax runs on unscaled logits q . k, taking
+  exp(sm_scale (s - m)) as one exp2 of (s - m) (sm_scale log2 e): no multiply of each logit
+  by sm_scale. Needs a positive scale known when tracing (the max of the raw logits is then
+  the max of the scaled ones), no soft-cap (its tanh takes the scaled logit), and a float
+  cache (a quantized one's k_scale is a traced value, per KV head)."""
+  return st.soft_cap is None and st.sm_scale > 0 and not st.quantized
 
 
 def _token_of_row(row, group: int):

@@ -204,3 +204,15 @@ def test_card_opening_quotes_the_estimates_file(card):
   missing = sorted(n for n in quoted if float(n.replace(",", "")) not in _estimate_numbers())
   assert not missing, missing
   assert "{chart}" in opening and "static estimates, not measured" in opening.lower()
+
+
+@pytest.mark.parametrize("chart", sorted((ROOT / "benchmarks" / "results").rglob("*.png")),
+                         ids=lambda p: str(p.relative_to(ROOT / "benchmarks" / "results")))
+def test_every_chart_is_a_whole_png(chart):
+  """Every chart the front page and the cards show decodes to its last row: a rating run
+  stopped mid-write (on a full disk, 2026-12-05) once left estimates.png truncated, which
+  git took as a change like any other."""
+  from PIL import Image   # matplotlib's own dependency, in .venv
+  with Image.open(chart) as image:
+    image.load()
+    assert image.width > 0 and image.height > 0
