@@ -47,7 +47,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from tpu_kernels import aot, chips, paged_attention as PA  # noqa: E402
+from tpu_kernels import aot, chips, masking, paged_attention as PA  # noqa: E402
 
 from headline import ITEMSIZE, PagedBatch, PagedDecode  # noqa: E402
 
@@ -77,7 +77,7 @@ def kernel_program(case: PagedDecode, chip: str, batch: int, block_kv: int | Non
                   pages_per_seq=pages_per_seq, num_kv_heads=case.kv_heads, rows=t.rows,
                   group=group, vmem_limit_bytes=t.vmem_limit_bytes, interpret=False,
                   item_floors=tuple(floors[f] for f in PA._ITEM_FIELDS),
-                  manual_fetch=t.manual_fetch)
+                  manual_fetch=t.manual_fetch, mask_in_f32=masking.selects_in_f32(chip))
   fn, specs = _kernel_call(case, t, st, batch, pages_per_seq,
                            PA._kv_steps(pages_per_seq, t.pages_per_block))
   return fn, specs, t
@@ -229,8 +229,8 @@ def item_classes(case: PagedBatch, t: PA.Tiling, items: dict) -> list[tuple[tupl
   return [(floors, count) for floors, count in classes.values()]
 
 
-def batch_kernel_program(case: PagedBatch, t: PA.Tiling, floors: tuple, batch: int):
-  """(fn, specs) of the kernel alone for `batch` items that all read as `floors`."""
+def batch_kernel_program(case: PagedBatch, chip: str, t: PA.Tiling, floors: tuple, batch: int):
+  """(fn, specs) of the kernel alone on `chip` for `batch` items that all read as `floors`."""
   pages_per_seq = _pages_per_seq(case)
   group = case.q_heads // case.kv_heads
   quantized = jnp.dtype(case.kv_dtype) in PA.QUANTIZED_DTYPES
@@ -242,7 +242,7 @@ def batch_kernel_program(case: PagedBatch, t: PA.Tiling, floors: tuple, batch: i
                   vmem_limit_bytes=t.vmem_limit_bytes, interpret=False,
                   item_floors=tuple(int(f) for f in floors),
                   small_rows=PA.small_rows(t, group, jnp.dtype(case.q_dtype)),
-                  manual_fetch=t.manual_fetch)
+                  manual_fetch=t.manual_fetch, mask_in_f32=masking.selects_in_f32(chip))
   return _kernel_call(case, t, st, batch, pages_per_seq,
                       PA._grid_steps(pages_per_seq, t.pages_per_block, case.page_size,
                                      t.block_q, case.sliding_window))
@@ -277,7 +277,7 @@ def estimate_batch(case: PagedBatch, chip: str, block_kv: int | None = None,
   for floors, count in classes:
     cycles = []
     for b in TRUNCATED_BATCHES:
-      fn, specs = batch_kernel_program(case, t, floors, b)
+      fn, specs = batch_kernel_program(case, chip, t, floors, b)
       report = aot.compile_for_chip(fn, specs, chip)
       if not report.ok:
         raise RuntimeError(f"{case.name} (class {floors}, {b} items) on {chip}: {report.error}")

@@ -16,7 +16,8 @@ Sources of the figures (per TensorCore as JAX sees one device):
   * Clock: the value the libtpu static cycle estimator uses.
   * bf16 vector unit: v6e and later compute elementwise bf16 natively; on v5e libtpu
     0.0.42 works on bf16 as packed int16 (its LLO type check names `vector-int16`
-    where a bf16 select feeds a matmul; v6e's does not). v5p is assumed like v5e,
+    where a bf16 select feeds a matmul, so kernels select in f32 there: masking.py;
+    v6e's does not). v5p is assumed like v5e,
     v7 like v6e.
 v7 (Ironwood) cannot be compiled for with libtpu 0.0.42 (no topology); its row
 holds public figures only and ``aot_topology`` is None.

@@ -107,6 +107,7 @@ import numpy as np
 
 from . import attention_common as common
 from . import chips
+from . import masking
 from . import tuning_tables
 from . import vmem
 
@@ -418,6 +419,8 @@ class _Static:
   # Pages copied by hand from HBM into a double-buffered VMEM scratch (module docstring,
   # "Page fetch"), instead of one BlockSpec per page slot.
   manual_fetch: bool = False
+  # Zero a bf16 value block's hidden keys in f32 (`masking.selects_in_f32(chip)`).
+  mask_in_f32: bool = False
 
 
 def _item(st: _Static, ref, item, field: str):
@@ -536,8 +539,8 @@ def _kernel(*refs, st: _Static):
       heads = _rows(h, st.rows, num_rows)
       page_rows = _slice(h, ps)
       v = jnp.concatenate([r[page_rows, :] for r in v_refs], axis=0)
-      if masked:   # in the cache's dtype: a select of codes is exact
-        v = jnp.where(needed, v, jnp.zeros_like(v))
+      if masked:   # codes select as they are; bf16 in f32 where the chip needs it
+        v = masking.zero_unless(needed, v, in_f32=st.mask_in_f32)
       m_prev = m_ref[heads, :]                                  # (rows, 128), lanes equal
       m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
       p = exp_scaled(s - common.lanes(m_new, bkv))
@@ -904,7 +907,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
       block_kv=t.block_kv, page_size=page_size, pages_per_block=t.pages_per_block,
       pages_per_seq=pages_per_seq, num_kv_heads=num_kv_heads, rows=t.rows, group=group,
       vmem_limit_bytes=t.vmem_limit_bytes, interpret=bool(interpret),
-      small_rows=small_rows(t, group, q.dtype), manual_fetch=t.manual_fetch)
+      small_rows=small_rows(t, group, q.dtype), manual_fetch=t.manual_fetch,
+      mask_in_f32=masking.selects_in_f32(chip))
 
   bq, rows = t.block_q, group * t.block_q
   num_items = num_work_items(num_tokens, num_seqs, bq)

@@ -74,6 +74,7 @@ from jax.experimental.pallas import tpu as pltpu
 import numpy as np
 
 from . import chips
+from . import masking
 from . import tuning_tables
 from . import vmem
 
@@ -551,13 +552,10 @@ def _field(table_ref, field, v, num_v):
 
 def _mask_k_tail(x, axis, k_rem, in_f32):
   """Zero the part of the last k block past the array end (stale VMEM, maybe NaN).
-  in_f32: select in f32 and round back (exact), for chips without a bf16 vector unit:
-  there a bf16 select yields packed int16 that libtpu's static estimator rejects as a
-  matmul operand (v5e), so no tiling with a k tail could be rated."""
+  in_f32: in f32 on chips without a bf16 vector unit (`masking`): else libtpu's static
+  estimator aborts on v5e, and no tiling with a k tail could be rated."""
   idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
-  if in_f32 and x.dtype == jnp.bfloat16:
-    return jnp.where(idx < k_rem, x.astype(jnp.float32), 0.0).astype(x.dtype)
-  return jnp.where(idx < k_rem, x, jnp.zeros_like(x))
+  return masking.zero_unless(idx < k_rem, x, in_f32=in_f32)
 
 
 # Lanes of one de-interleave step: 256 columns of z -> 128 gate and 128 up columns.
@@ -808,7 +806,7 @@ def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: T
   kernel = functools.partial(
       _gmm_kernel, num_v=num_v, num_local_groups=g_local, num_rhs=len(rhs_ops),
       has_scale=bool(scale_ops), has_bias=bool(bias_ops), transpose_rhs=transpose_rhs,
-      k_rem=k % bk, mask_in_f32=not chips.get_chip(chip).bf16_vpu, block_m=bm,
+      k_rem=k % bk, mask_in_f32=masking.selects_in_f32(chip), block_m=bm,
       epilogue=epilogue, compute_dtype=lhs.dtype,
       interleaved_n=2 * n_out if interleaved else None)
   return pl.pallas_call(

@@ -85,6 +85,37 @@ def test_v5e_estimator_rates_a_k_tail():
 
 
 @pytest.mark.aot
+def test_v5e_estimator_rates_the_paged_masked_body():
+  """A paged-attention block that some query rows see only in part runs the masked body,
+  which zeroes the hidden keys' values. On v5e a bf16 select there aborted libtpu's static
+  estimate (as the k tail above did), so no mixed serving step could be rated on v5e; the
+  kernel selects in f32 there (`masking`). One class of the mixed step's items (prefill
+  chunks: their last block is masked), two items, rated in a child process."""
+  code = """
+import json, sys
+sys.path[:0] = [sys.argv[1] + '/benchmarks', sys.argv[1] + '/kernels']
+import tuning
+tuning.enable_static_profile()
+import headline, paged_estimate as pe
+from tpu_kernels import aot
+case = headline.PagedBatch(decode=60, prefill=4)
+t = pe.batch_tiling(case, 'v5e')
+floors = next(f for f, _ in pe.item_classes(case, t, pe.batch_items(case, t)['items'])
+              if f[0] == t.block_q)
+report = aot.compile_for_chip(*pe.batch_kernel_program(case, 'v5e', t, floors, 2), 'v5e')
+print(json.dumps(dict(ok=report.ok, cycles=report.estimated_cycles, floors=floors,
+                      block_kv=t.block_kv)))
+"""
+  result = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True,
+                          text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  row = json.loads(result.stdout.strip().splitlines()[-1])
+  q_pos, rows = row["floors"][1], row["floors"][0]
+  assert (q_pos + rows) % row["block_kv"] != 0   # its last block is seen in part: masked
+  assert row["ok"] and row["cycles"] > 0
+
+
+@pytest.mark.aot
 def test_non_causal_ragged_estimate_has_no_pad_copies():
   """Our non-causal forward (benchmarks/attention_estimate.py) at a ragged length, as the
   Diffusers rows rate it: it compiles and rates, its prediction is no faster than the
