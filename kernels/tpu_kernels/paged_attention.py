@@ -129,6 +129,17 @@ _ITEM_FIELDS = ("rows", "q_pos", "kv_len", "first_block", "last_block", "first_p
 # More BlockSpecs per step lengthen compiles for no gain once a step moves enough bytes.
 _MAX_PAGES_PER_BLOCK = 64
 _BLOCK_KV_CANDIDATES = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
+# Rows of a work item's q block (G * block_q) the default block_q stays within, and the
+# scoped-VMEM limit items of more than one token plan their block_kv against (instead of
+# the chip's default limit; raised only as far as the plan needs). Every item re-reads its
+# sequence's pages, so prefill chunks and mixed steps want big items and big kv blocks.
+# Static estimates of a mixed step (60 decodes + 4 x 512 prefill, 32/8 heads x 128, page
+# 64; benchmarks/paged_estimate.py), block_q / block_kv -> µs:
+#   v6e: 64 / 512 (the old default) 686; 64 / 1024 581; 128 / 512 706; 128 / 1024 603
+#   v5e: 32 / 256 (the old default) 1,402; 32 / 1024 1,282; 64 / 1024 1,031 (HBM-bound);
+#        128 / 1024 1,000
+_MAX_ITEM_ROWS = 256
+_MANY_ROWS_VMEM_LIMIT = 48 * vmem.MiB
 # KV heads per step up to this are unrolled (straight-line code); more run as a loop.
 _UNROLL_HEADS = 8
 # Page sizes up to this fetch their pages by hand (module docstring, "Page fetch").
@@ -162,12 +173,12 @@ def _plan_bytes(rows, block_kv, num_kv_heads, head_dim, q_itemsize, kv_itemsize)
   return total
 
 
-def _default_block_q(num_tokens: int, num_seqs: int, group: int, chip: chips.Chip) -> int:
+def _default_block_q(num_tokens: int, num_seqs: int, group: int) -> int:
   """Tokens per work item: about the mean new tokens per sequence (1 for pure decode),
-  as a power of two, with G * block_q rows at most one MXU pass (128 on v5e, 256 on v6e)."""
+  as a power of two, with G * block_q rows at most _MAX_ITEM_ROWS."""
   mean = max(1, -(-num_tokens // max(num_seqs, 1)))
   block_q = 1 << (mean - 1).bit_length()
-  max_rows = max(chip.mxu_size, group)
+  max_rows = max(_MAX_ITEM_ROWS, group)
   while block_q > 1 and group * block_q > max_rows:
     block_q //= 2
   return block_q
@@ -229,7 +240,8 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
   block_kv: for decode (block_q 1), the tuning table's entry when it has one and it fits
   (tuned/paged_attention.<chip>.json, from libtpu's static estimates); otherwise the largest
   candidate (a multiple of page_size, at most 64 pages, no longer than a sequence's
-  pages) whose plan fits the VMEM budget. items_per_call: all items when their tables
+  pages) whose plan fits the VMEM budget: half the scoped-VMEM limit, which for block_q > 1
+  is at least _MANY_ROWS_VMEM_LIMIT (the limit is then raised as far as the plan needs). items_per_call: all items when their tables
   fit the SMEM budget, else as many as fit (an explicit items_per_call may only lower
   that). manual_fetch: pages copied by hand (module docstring, "Page fetch"); default:
   for page sizes up to MANUAL_FETCH_MAX_PAGE_SIZE.
@@ -238,13 +250,16 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
   if manual_fetch is None:
     manual_fetch = page_size <= MANUAL_FETCH_MAX_PAGE_SIZE
   if block_q is None:
-    block_q = _default_block_q(num_tokens, num_seqs, group, chip_)
+    block_q = _default_block_q(num_tokens, num_seqs, group)
   elif not isinstance(block_q, (int, np.integer)) or block_q < 1 or block_q & (block_q - 1):
     raise ValueError(f"block_q must be a power of two >= 1, got {block_q!r}")
   rows = vmem.round_up(group * block_q, vmem.sublane_multiple(q_dtype))
   q_itemsize, kv_itemsize = np.dtype(q_dtype).itemsize, np.dtype(kv_dtype).itemsize
   limit = vmem.resolve_vmem_limit(chip_, vmem_limit_bytes)
   budget = int(limit * vmem.BUDGET_FRACTION)
+  if block_q > 1 and vmem_limit_bytes is None:   # see _MANY_ROWS_VMEM_LIMIT
+    many_rows_limit = min(_MANY_ROWS_VMEM_LIMIT, chip_.max_vmem_limit_bytes)
+    budget = max(budget, int(many_rows_limit * vmem.BUDGET_FRACTION))
   plan = functools.partial(_plan_bytes, rows, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            q_itemsize=q_itemsize, kv_itemsize=kv_itemsize)
   if block_kv is not None:
@@ -264,7 +279,7 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
         and plan(tuned) <= budget:
       block_kv = tuned
   needed = plan(block_kv)
-  if needed > budget and vmem_limit_bytes is None:
+  if needed > int(limit * vmem.BUDGET_FRACTION) and vmem_limit_bytes is None:
     limit = vmem.round_up(int(needed / vmem.BUDGET_FRACTION), vmem.MiB)
     if limit > chip_.max_vmem_limit_bytes:
       raise ValueError(f"paged attention with {num_kv_heads} KV heads, {rows} query rows per "

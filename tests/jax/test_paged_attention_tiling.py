@@ -61,11 +61,34 @@ def test_lookup_outside_the_buckets_falls_back_to_the_heuristic():
 
 
 def test_prefill_shapes_do_not_take_decode_entries():
-  """The table is for decode (block_q 1); a prefill-heavy batch keeps the heuristic."""
+  """The table is for decode (block_q 1); a prefill-heavy batch keeps the heuristic, which
+  plans against the larger many-rows limit and raises the scoped limit only as far as the
+  plan needs."""
   t = PA.paged_tiling(8192, 1, 512, 16, 128, num_kv_heads=8, group=4, q_dtype=jnp.bfloat16,
                       kv_dtype=jnp.bfloat16, chip="v6e")
   assert t.block_q > 1
-  assert t.vmem_plan_bytes <= vmem.vmem_budget(chips.get_chip("v6e"), None)
+  assert t.vmem_plan_bytes <= int(PA._MANY_ROWS_VMEM_LIMIT * vmem.BUDGET_FRACTION)
+  default = chips.get_chip("v6e").default_scoped_vmem_bytes
+  assert t.vmem_limit_bytes == max(
+      default, vmem.round_up(int(t.vmem_plan_bytes / vmem.BUDGET_FRACTION), vmem.MiB))
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_many_token_items_take_the_rated_tiles(chip):
+  """Items of many tokens (prefill chunks, mixed steps): at most _MAX_ITEM_ROWS q rows per
+  KV head, and block_kv from the many-rows budget. At the mixed step the constants' comment
+  rates (60 decodes + 4 x 512, 32/8 heads, page 64) that is block_q 64, block_kv 1024 on
+  both chips; before, the default scoped limit held block_kv to 256 (v5e) / 512 (v6e) and
+  v5e's block_q to 32."""
+  group = 4
+  for num_tokens, num_seqs in [(60 + 4 * 512, 64), (8192, 1), (4096, 8)]:
+    t = PA.paged_tiling(num_tokens, num_seqs, 32, 64, 128, num_kv_heads=8, group=group,
+                        q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, chip=chip)
+    assert group * t.block_q == PA._MAX_ITEM_ROWS
+  t = PA.paged_tiling(60 + 4 * 512, 64, 32, 64, 128, num_kv_heads=8, group=group,
+                      q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, chip=chip)
+  assert (t.block_q, t.block_kv) == (64, 1024)
+  assert t.vmem_limit_bytes <= chips.get_chip(chip).max_vmem_limit_bytes
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
