@@ -241,10 +241,11 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
   (tuned/paged_attention.<chip>.json, from libtpu's static estimates); otherwise the largest
   candidate (a multiple of page_size, at most 64 pages, no longer than a sequence's
   pages) whose plan fits the VMEM budget: half the scoped-VMEM limit, which for block_q > 1
-  is at least _MANY_ROWS_VMEM_LIMIT (the limit is then raised as far as the plan needs). items_per_call: all items when their tables
-  fit the SMEM budget, else as many as fit (an explicit items_per_call may only lower
-  that). manual_fetch: pages copied by hand (module docstring, "Page fetch"); default:
-  for page sizes up to MANUAL_FETCH_MAX_PAGE_SIZE.
+  is at least _MANY_ROWS_VMEM_LIMIT (the limit is then raised as far as the plan needs).
+  items_per_call: all items when their tables fit the SMEM budget, else as many as fit
+  (an explicit items_per_call may only lower that). manual_fetch: pages copied by hand
+  (module docstring, "Page fetch"); default: for page sizes up to
+  MANUAL_FETCH_MAX_PAGE_SIZE.
   """
   chip_ = chips.get_chip(chip)
   if manual_fetch is None:
