@@ -606,7 +606,11 @@ class FusedMoeSpec(_TpuInference):
   batch's values under round-robin routing (token t's k-th expert (t * top_k + k) % E, so
   each expert gets ceil(T * top_k / E) rows: exact when E divides T * top_k, an upper bound
   otherwise): t2e_routing, expert_starts (e * rows), expert_sizes and d2e_count (rows). Its
-  own writes still happen; a2a_s_sends (remote sends: 0 on one chip) is left alone."""
+  own writes still happen; a2a_s_sends (remote sends: 0 on one chip) is left alone.
+
+  libtpu 0.0.48's estimator rates the program 0 cycles (a row error); T = 1 and gpt-oss's
+  2880-wide layers are refused by the kernel. `fused_moe_probe.py` shows where the
+  estimator gives up."""
 
   case: object
   chosen: tuple | None = None

@@ -3,8 +3,10 @@
 Default profile: the map from cases to specs and their arithmetic (no venv), plus children in
 .venv-tpu-inference that import the kernels through the stand-ins: one compiles the gmm spec
 for v6e at Qwen3-30B-A3B int8 m=64 (plain compile), checking its closed form against
-tpu-inference's own make_group_metadata, one asks gmm's tiling at gpt-oss-20b (~10 s in all). HYPOTHESIS_PROFILE=thorough also compiles the flash and RPA v3
-specs there (no static profile: the estimates come from `benchmarks/estimate.py`)."""
+tpu-inference's own make_group_metadata, one asks gmm's tiling at gpt-oss-20b (~10 s in all);
+benchmarks/fused_moe_probe.py runs there (~15 s). HYPOTHESIS_PROFILE=thorough also compiles
+the flash and RPA v3 specs there (no static profile: the estimates come from
+`benchmarks/estimate.py`)."""
 
 from __future__ import annotations
 
@@ -197,3 +199,20 @@ def test_flash_and_rpa_v3_specs_compile_in_their_venv(case, kernels):
   out = _compiles_in_the_venv(spec, lambda s: s.truncations[0])
   assert out["kernels"] == kernels
 
+
+
+def test_fused_moe_probe_shows_why_it_is_not_rated():
+  """docs/performance.md (tpu-inference, fused_moe v1): libtpu 0.0.48 rates the kernel 0
+  cycles; with its remote copies local it aborts on the bf16 gating softmax; with that in
+  float32, on DMA waits it cannot pair. `benchmarks/fused_moe_probe.py` in its venv (~15 s)."""
+  import subprocess
+  assert T.VENV.exists(), "scripts/setup.sh makes .venv-tpu-inference"
+  env = {k: v for k, v in os.environ.items() if k != "TPU_LIBRARY_PATH"}
+  probe = ROOT / "benchmarks" / "fused_moe_probe.py"
+  out = subprocess.run([str(T.VENV / "bin" / "python"), str(probe), "--chip", "v6e"],
+                       capture_output=True, text=True, timeout=600, env=env)
+  assert out.returncode == 0, out.stderr[-2000:]
+  steps = dict(line.split(None, 1) for line in out.stdout.splitlines() if line.strip())
+  assert steps["as-is"] == "0 cycles in 1 kernel"
+  assert "vmul.bf16" in steps["local-copies"]
+  assert "No DMA issue node found" in steps["f32-softmax"]
