@@ -257,7 +257,8 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
   rows = vmem.round_up(group * block_q, vmem.sublane_multiple(q_dtype))
   q_itemsize, kv_itemsize = np.dtype(q_dtype).itemsize, np.dtype(kv_dtype).itemsize
   limit = vmem.resolve_vmem_limit(chip_, vmem_limit_bytes)
-  budget = int(limit * vmem.BUDGET_FRACTION)
+  limit_budget = int(limit * vmem.BUDGET_FRACTION)   # what `limit` holds
+  budget = limit_budget                               # what block_kv is planned against
   if block_q > 1 and vmem_limit_bytes is None:   # see _MANY_ROWS_VMEM_LIMIT
     many_rows_limit = min(_MANY_ROWS_VMEM_LIMIT, chip_.max_vmem_limit_bytes)
     budget = max(budget, int(many_rows_limit * vmem.BUDGET_FRACTION))
@@ -280,7 +281,7 @@ def paged_tiling(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: 
         and plan(tuned) <= budget:
       block_kv = tuned
   needed = plan(block_kv)
-  if needed > int(limit * vmem.BUDGET_FRACTION) and vmem_limit_bytes is None:
+  if needed > limit_budget and vmem_limit_bytes is None:
     limit = vmem.round_up(int(needed / vmem.BUDGET_FRACTION), vmem.MiB)
     if limit > chip_.max_vmem_limit_bytes:
       raise ValueError(f"paged attention with {num_kv_heads} KV heads, {rows} query rows per "
