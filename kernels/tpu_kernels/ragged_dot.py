@@ -44,8 +44,8 @@ on the way out.
 
 Gated, with gate and up interleaved in one weight (gpt-oss) at prefill ("lanes" in
 `gate_up_route`): n tile j reads the weight's columns [2 j bn, 2 (j + 1) bn) into one
-[bm, 2 bn] accumulator, and the epilogue splits it into gate and up exactly on the MXU
-(`_deinterleave_lanes`) before the gated unit.
+[bm, 2 bn] accumulator, and the epilogue splits it into gate and up by lane gathers,
+bit for bit (`_deinterleave_lanes`), before the gated unit.
 
 Backward (`_tgmm`) for d_rhs: grid (k tiles, n tiles, visits) over the local groups
 only (an empty group still gets one visit, which writes its zero gradient); rows of
@@ -330,7 +330,7 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
   maximum); otherwise the heuristic (`_best_blocks`). `n_must_divide`: block_n must divide
   it (the gate/up halves of one concatenated weight are addressed in whole blocks).
   `interleaved` (with num_rhs=2): gate/up columns interleaved in one weight, de-interleaved
-  in the epilogue (`_deinterleave_lanes`: three bf16 parts of z and the two picked halves).
+  in the epilogue (`_deinterleave_lanes`: the two gathered halves, float32).
   """
   chip_ = chips.get_chip(chip)
   lb, rb, ob = (np.dtype(d).itemsize for d in (lhs_dtype, rhs_dtype, out_dtype))
@@ -346,8 +346,8 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
     total += num_rhs * 2 * 2 * 8 * bn_p * 4                 # scale, bias blocks
     total += num_rhs * 2 * bm_p * bn_p * 4                   # accumulator + dot result
     total += 3 * bm_p * bn_p * 4                             # epilogue temporaries
-    if interleaved:   # `_deinterleave_lanes`: one chunk's three bf16 parts, the f32 halves
-      total += 3 * bm_p * min(2 * bn_p, _DEINTERLEAVE_CHUNK) * 2 + 2 * bm_p * bn_p * 4
+    if interleaved:   # `_deinterleave_lanes`: the gathered halves, float32
+      total += 2 * bm_p * bn_p * 4
     if quantized:
       total += num_rhs * vmem.round_up(bk, 8) * bn_p * lb    # dequantised weight block
     return total
@@ -562,59 +562,50 @@ def _mask_k_tail(x, axis, k_rem, in_f32):
 _DEINTERLEAVE_CHUNK = 256
 
 
-def _deinterleave_lanes(z, valid_lanes):
-  """(gate, up) = (even, odd) columns of z [bm, 2 * bn] float32, each [bm, bn], exactly.
+def _deinterleave_lanes(z):
+  """(gate, up) = (even, odd) columns of z [bm, 2 * bn] float32, each [bm, bn], bit for bit.
 
   Mosaic has no lane-strided load from a block this wide ("The last dim size is not 128
-  in original base memref"), so the columns are picked on the MXU: z is cut into three
-  bfloat16 parts whose sum is z (its significand's top 8 bits, the next 8, the last 8),
-  and each part times a 0/1 selection matrix [256, 128] gives each output one nonzero
-  product, summed in f32: exact for finite z of magnitude >= 2^-102 (below that the
-  smaller parts can be denormals, flushed: within 2^-124 of z). The parts are cut by
-  masking bits in float32, per 256-lane chunk: v5e's static estimator aborts (an LLO
-  type check on a bf16 unpack) on a bfloat16 round trip and on lane slices of bf16.
-  Columns from `valid_lanes` on (past the weight's last column, in the last n block:
-  stale VMEM, maybe NaN) are zeroed first, since a NaN times 0 in the selection would
-  spoil its whole chunk. A non-finite z in the weight's own columns does the same: that
-  row's chunk comes out NaN, never finite.
+  in original base memref"), and its lane gather (`jnp.take_along_axis`, Mosaic's
+  dynamic_gather) reads within one 128-lane vreg ("Multiple source vregs along gather
+  dimension"). So z goes in chunks of 256 columns, and chunk c gives gate and up columns
+  [128 c, 128 c + 128): the first 64 gathered from its first 128 columns, the last 64 from
+  its second 128, joined by a select (a narrower last chunk, where 2 * bn is not a
+  multiple of 256, the same over the columns it has). Pure data movement: every value,
+  NaN and denormals included, lands in its own column unchanged, and the stale columns
+  past the weight's end in the last n block only reach output columns the masked write
+  drops. (Until 2026-12-06 the columns were picked on the MXU, z cut into three bfloat16
+  parts times 0/1 selection matrices: 3x the cycles of the gathers at 16 rows on v6e.)
   """
   rows, width = z.shape
-  chunk = min(width, _DEINTERLEAVE_CHUNK)
-  lane = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
-  z = jnp.where(lane < valid_lanes, z, 0.0)
-  top8 = lambda x: jax.lax.bitcast_convert_type(   # x cut to a bfloat16 value, in f32
-      jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32)
-
-  def bf16_parts(x):   # three bfloat16 arrays that sum to x (exact casts)
-    hi = top8(x)
-    rest = x - hi
-    mid = top8(rest)
-    return [p.astype(jnp.bfloat16) for p in (hi, mid, rest - mid)]
-
-  def selection(cols, parity):   # [cols, cols / 2]: column j picks input column 2 j + parity
-    i = jax.lax.broadcasted_iota(jnp.int32, (cols, cols // 2), 0)
-    j = jax.lax.broadcasted_iota(jnp.int32, (cols, cols // 2), 1)
-    return (i == 2 * j + parity).astype(jnp.bfloat16)
-
-  # One pair of selection matrices per chunk width, built once (the rated cycles are the
-  # same as when built per chunk: v5e and v6e, gpt-oss's gate/up at its tuned tiling).
-  selections = {cols: (selection(cols, 0), selection(cols, 1))
-                for cols in {min(chunk, width - c) for c in range(0, width, chunk)}}
+  half = 128   # the first half of a chunk: one vreg of lanes
   gates, ups = [], []
-  for c in range(0, width, chunk):
-    cols = min(chunk, width - c)   # even: width is 2 bn
-    # Cut in float32 and then split: v5e's estimator aborts on a lane slice of packed bf16.
-    parts = bf16_parts(z[:, c:c + cols])
-    pick = lambda sel: sum(jnp.dot(p, sel, preferred_element_type=jnp.float32) for p in parts)
-    gates.append(pick(selections[cols][0]))
-    ups.append(pick(selections[cols][1]))
+  for c in range(0, width, _DEINTERLEAVE_CHUNK):
+    cols = min(_DEINTERLEAVE_CHUNK, width - c)   # even: width is 2 bn
+    first = z[:, c:c + min(cols, half)]
+    second = z[:, c + half:c + cols] if cols > half else None
+    lane = jax.lax.broadcasted_iota(jnp.int32, (rows, cols // 2), 1)
+
+    def pick(parity, first=first, second=second, lane=lane):
+      # output column j is input column 2 j + parity of the chunk: in `first` for j < 64,
+      # else column 2 j + parity - 128 of `second` (the select discards the other gather,
+      # whose indices only need to be in range).
+      gather = lambda x, idx: jnp.take_along_axis(x, idx, axis=1, mode="promise_in_bounds")
+      got = gather(first, (2 * lane + parity) % first.shape[1])
+      if second is None:
+        return got
+      return jnp.where(lane < half // 2, got,
+                       gather(second, jnp.maximum(2 * lane + parity - half, 0)))
+
+    gates.append(pick(0))
+    ups.append(pick(1))
   join = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
   return join(gates), join(ups)
 
 
 def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has_scale, has_bias,
                 transpose_rhs, k_rem, mask_in_f32, block_m, epilogue, compute_dtype,
-                interleaved_n=None):
+                interleaved=False):
   rhs_refs = refs[:num_rhs]
   refs = refs[num_rhs:]
   scale_refs = refs[:num_rhs] if has_scale else ()
@@ -679,9 +670,8 @@ def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has
         if has_bias:
           z = z + bias_refs[i][...].astype(jnp.float32)
         zs.append(z)
-      if interleaved_n is not None:   # one [bm, 2 * bn] block of interleaved gate/up
-        block = zs[0].shape[1]
-        zs = _deinterleave_lanes(zs[0], interleaved_n - j * block)
+      if interleaved:   # one [bm, 2 * bn] block of interleaved gate/up
+        zs = _deinterleave_lanes(zs[0])
       y = epilogue(*zs)
       rows = tile * block_m + jax.lax.broadcasted_iota(jnp.int32, y.shape, 0)
       mask = jnp.logical_and(rows >= _field(table_ref, _ROW_START, v, num_v),
@@ -808,7 +798,7 @@ def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: T
       has_scale=bool(scale_ops), has_bias=bool(bias_ops), transpose_rhs=transpose_rhs,
       k_rem=k % bk, mask_in_f32=masking.selects_in_f32(chip), block_m=bm,
       epilogue=epilogue, compute_dtype=lhs.dtype,
-      interleaved_n=2 * n_out if interleaved else None)
+      interleaved=interleaved)
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -916,7 +906,8 @@ def gate_up_route(m: int, n_full: int, layout: str, weight_bytes: int) -> str:
               copy of all of them) and fed to the gated kernel.
   At decode "lanes" rates slower than "xla_gate" (gpt-oss-20b at 64 tokens x top-4,
   gate/up with the gate: v6e 743 against 697 us, v5e 1,500 against 1,359; static
-  estimates, docs/performance.md), so the threshold stays where it was.
+  estimates, docs/performance.md): it is HBM-bound on its n blocks, which pad 2880 to
+  whole 128-lane blocks, so the threshold stays where it was.
   """
   if layout == "concatenated" and (n_full // 2) % 128 == 0:
     return "blocks"
