@@ -23,12 +23,12 @@ experts hit (`headline.ExpertsLayer.experts_hit`, the same as the roofline's). V
 by a group crossing a row-tile boundary under uneven routing are not counted (at most
 tiles - 1 more).
 
-Glue (route, combine; for gpt-oss at decode also the XLA gate after a plain gate/up
-kernel, the "xla_gate" route its interleaved columns take): the same functions moe_experts
+Glue (route, combine; for gpt-oss at decode also the gate pass after a plain gate/up
+kernel, the "gate_pass" route its interleaved columns take): the same functions moe_experts
 calls, compiled for the chip with the static profile on: cycles from the estimate of every
-op (the combine's Pallas kernel included), HBM bytes from XLA's own cost_analysis ("bytes
-accessed") of the same program, raised for the combine to the bytes it must move (its
-kernel's own row DMAs are not in cost_analysis). An op
+op (the combine's and the gate pass's Pallas kernels included), HBM bytes from XLA's own
+cost_analysis ("bytes accessed") of the same program, raised for the combine and the gate
+pass to the bytes they must move (a kernel's own DMAs are not in cost_analysis). An op
 the estimator returns INT64_MAX for (the offloaded scatter-add that counted group sizes
 until 2026-12-04, and still does in seed_prediction's grouped_mm glue) counts by its bytes
 only. cost_analysis counts a row gather's bytes many times over (2.6 GB for the route's
@@ -137,8 +137,9 @@ def gmms(case: headline.ExpertsLayer, chip: str, min_rows: int = 0) -> dict[str,
   `min_rows`, at least that many rows (the same experts, more rows each).
 
   Gate/up: "blocks" (Qwen: I a multiple of 128, concatenated) is the gated kernel;
-  "xla_gate" (gpt-oss at decode: interleaved columns) the plain kernel with a float32
-  [S, 2I] out, gated by XLA after it (the glue part "gate"); "lanes" (gpt-oss at
+  "gate_pass" (gpt-oss at decode: interleaved columns) the plain kernel with a float32
+  [S, 2I] out, gated by a second pass (`ragged_dot.gate_pass`, the glue part "gate");
+  "lanes" (gpt-oss at
   prefill) the gated kernel that de-interleaves its accumulator. The "split" route
   (concatenated halves off the lane grid, at prefill: an XLA copy of the weights into
   gate and up, then the gated kernel; no case here) is not modelled: NotImplementedError."""
@@ -149,8 +150,8 @@ def gmms(case: headline.ExpertsLayer, chip: str, min_rows: int = 0) -> dict[str,
   if route == "blocks":
     gate_up = ("gate/up+silu kernel", RoutedGmm(m, k=case.hidden, n_out=case.width,
                                                 gated=True, **common))
-  elif route == "xla_gate":
-    gate_up = ("gate/up kernel (f32 out, gated by XLA)", RoutedGmm(
+  elif route == "gate_pass":
+    gate_up = ("gate/up kernel (f32 out, gated after)", RoutedGmm(
         m, k=case.hidden, n_out=2 * case.width, gated=False, out_dtype="float32", **common))
   elif route == "lanes":
     gate_up = ("gate/up+gate kernel (interleaved columns)", RoutedGmm(
@@ -201,11 +202,12 @@ def glue_programs(case: headline.ExpertsLayer,
           jax.ShapeDtypeStruct((s,), jnp.int32),
           jax.ShapeDtypeStruct((case.tokens, case.top_k), dt)], combine_bytes),
   }
-  if gate_up_route(case) == "xla_gate":   # ragged_dot._forward's gating after the kernel
+  if gate_up_route(case) == "gate_pass":   # ragged_dot._forward's gating after the kernel
     epilogue = R.Epilogue(activation=case.activation, gated=True)
-    gate = lambda z: epilogue(*R._gated_halves(z, case.layout, case.width, chip)).astype(dt)
-    programs["gate (XLA, after the gate/up kernel)"] = (gate, [
-        jax.ShapeDtypeStruct((s, 2 * case.width), jnp.float32)], 0)
+    gate = lambda z: R.gate_pass(z, case.layout, epilogue, dt, chip)
+    gate_bytes = s * 2 * case.width * 4 + s * case.width * dt.itemsize   # z in, gated out
+    programs["gate (after the gate/up kernel)"] = (gate, [
+        jax.ShapeDtypeStruct((s, 2 * case.width), jnp.float32)], gate_bytes)
   return programs
 
 
@@ -239,7 +241,7 @@ def _glue_part(fn, specs, chip: str, min_bytes: int = 0) -> dict:
   if not ops:
     raise RuntimeError("the compiled glue carries no estimated_cycles (profile flag off?)")
   unrated = [name for name, c in ops if c >= UNESTIMATED]
-  accessed = int(cost["bytes accessed"])
+  accessed = int(cost.get("bytes accessed", 0))   # absent for a lone Pallas kernel
   part = dict(cycles=sum(c for _, c in ops if c < UNESTIMATED),
               hbm_bytes=max(accessed, min_bytes), ops=len(ops),
               method="static estimate of the compiled ops; bytes: cost_analysis")

@@ -325,8 +325,8 @@ def gmm_case(case, chip: str) -> GmmCase:
   """The kernel call the op makes for a headline.GroupedMatmul `case` (weights in the layout
   the op gets them: int8 / fp8 always (G, k, n)): the gated kernel
   for concatenated gate/up halves, and for gpt-oss's interleaved gate/up the route
-  `ragged_dot.gate_up_route` picks ("xla_gate" at these sizes: the plain kernel to a
-  float32 (m, 2I), gated by XLA)."""
+  `ragged_dot.gate_up_route` picks ("gate_pass" at these sizes: the plain kernel to a
+  float32 (m, 2I), gated by a second pass, not rated here)."""
   interleaved = case.model in INTERLEAVED_GATE_UP
   common = dict(chip=chip, dtype=case.dtype, weight_dtype=case.weight_dtype,
                 active_groups=case.active_groups if case.active_groups < case.groups else None,
@@ -335,7 +335,7 @@ def gmm_case(case, chip: str) -> GmmCase:
     weight_bytes = case.groups * case.k * case.n_weight * jnp.dtype(case.weight_dtype).itemsize
     route = R.gate_up_route(case.m, case.n_weight, "interleaved" if interleaved else
                             "concatenated", weight_bytes)
-    if route == "xla_gate":
+    if route == "gate_pass":
       return GmmCase(case.m, case.groups, case.k, case.n_weight, False, out_dtype="float32",
                      **common)
     assert route == "blocks", route

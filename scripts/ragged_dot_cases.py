@@ -103,13 +103,16 @@ class Program:
 
   @property
   def num_kernels(self) -> int:
-    """Mosaic kernels: forward 1; backward adds d_lhs and d_rhs, and for the gated
-    projection the recomputed pre-activation z (the epilogue's derivative needs it). When
-    the forward kernel already is that z (gated in XLA), the recompute is the same
-    pallas_call again: XLA does not merge the two custom calls, so it still counts."""
+    """Mosaic kernels: forward 1, and 1 more for interleaved gate / up on the "gate_pass"
+    route (its gating pass, `ragged_dot.gate_pass`, is a kernel of its own); backward adds
+    d_lhs and d_rhs, and for the gated projection the recomputed pre-activation z (the
+    epilogue's derivative needs it). When the forward kernel already is that z (gated
+    after it), the recompute is the same pallas_call again: XLA does not merge the two
+    custom calls, so it still counts."""
+    forward = 1 + (self.gate_up_route == "gate_pass" and self.model.layout == "interleaved")
     if self.direction == "fwd":
-      return 1
-    return 1 + 2 + (1 if self.gated else 0)
+      return forward
+    return forward + 2 + (1 if self.gated else 0)
 
   def _specs(self):
     md = self.model
@@ -162,7 +165,7 @@ class Program:
     dt, wdt = jnp.dtype(self.dtype), jnp.dtype(self.weight_dtype)
     common = dict(num_groups=md.experts, lhs_dtype=dt, chip=chip)
     route = self.gate_up_route
-    if route == "xla_gate":
+    if route == "gate_pass":
       fwd = R.gmm_tiling(m, k, n_full, rhs_dtype=wdt, out_dtype=jnp.float32, **common)
     elif route is not None:
       fwd = R.gmm_tiling(m, k, n_full // 2, rhs_dtype=wdt, out_dtype=dt, num_rhs=2,

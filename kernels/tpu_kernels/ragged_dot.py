@@ -45,7 +45,9 @@ on the way out.
 Gated, with gate and up interleaved in one weight (gpt-oss) at prefill ("lanes" in
 `gate_up_route`): n tile j reads the weight's columns [2 j bn, 2 (j + 1) bn) into one
 [bm, 2 bn] accumulator, and the epilogue splits it into gate and up by lane gathers,
-bit for bit (`_deinterleave_lanes`), before the gated unit.
+bit for bit (`_deinterleave_lanes`), before the gated unit. At decode ("gate_pass"), where
+the float32 [m, 2I] is smaller than the weights, the plain kernel writes it and a small
+kernel of its own splits and gates it (`gate_pass`).
 
 Backward (`_tgmm`) for d_rhs: grid (k tiles, n tiles, visits) over the local groups
 only (an empty group still gets one visit, which writes its zero gradient); rows of
@@ -868,8 +870,9 @@ def _split_columns(a, layout, half, axis):
 
 
 def _gated_halves(z, layout, half, chip):
-  """(gate, up) of the gate/up kernel's float32 output z [S, 2I] (the "xla_gate" route), as
-  two [S, I] arrays for XLA to gate.
+  """(gate, up) of the gate/up kernel's float32 output z [S, 2I], as two [S, I] arrays for
+  XLA to gate: `gate_pass` for concatenated halves, and for interleaved columns where its
+  kernel's rows do not fit the VMEM budget.
 
   Interleaved columns go through the pair view [S, I, 2] -> [S, 2, I] where libtpu's
   static estimate rates it ahead of two lane-strided slices (`_split_columns`): at every
@@ -882,6 +885,55 @@ def _gated_halves(z, layout, half, chip):
     return _split_columns(z, layout, half, 1)
   pairs = z.reshape(z.shape[0], half, 2).transpose(0, 2, 1)
   return pairs[:, 0], pairs[:, 1]
+
+
+# Rows per grid step of the interleaved gate pass, the first whose plan fits the VMEM
+# budget. v6e, gpt-oss-20b at 256 rows (static estimate): 32 -> 11.9 us, 64 -> 10.8,
+# 128 -> 11.0, 256 -> 12.7.
+_GATE_PASS_ROWS = (64, 32, 16)
+
+
+def _gate_pass_rows(m: int, half: int, out_dtype, chip: str) -> int | None:
+  """Rows per step of `gate_pass`'s kernel (all m when fewer: a block of the whole array),
+  or None when not even min(m, 16) fit the chip's VMEM budget. Counted: the double-buffered
+  [rows, 2I] float32 input and [rows, I] output blocks, the two de-interleaved halves and
+  three epilogue temporaries."""
+  budget = vmem.vmem_budget(chips.get_chip(chip), None)
+  width = vmem.lane_padded(half)
+  for rows in dict.fromkeys(min(r, m) for r in _GATE_PASS_ROWS):
+    r = vmem.round_up(rows, 8)
+    plan = r * (2 * 2 * width * 4 + 2 * width * jnp.dtype(out_dtype).itemsize + 5 * width * 4)
+    if plan <= budget:
+      return rows
+  return None
+
+
+def gate_pass(z, layout: str, epilogue: Epilogue, out_dtype, chip: str, interpret=False):
+  """The "gate_pass" route's second pass: epilogue(gate, up) of the plain kernel's float32
+  z [m, 2I] -> [m, I] out_dtype. Interleaved columns (gpt-oss) by a Pallas kernel that
+  splits them with lane gathers (`_deinterleave_lanes`) and gates each block of rows;
+  concatenated halves, or where no row block fits the VMEM budget, by XLA
+  (`_gated_halves`). Static estimates, gpt-oss-20b at 256 rows: v6e 10.8 us against
+  XLA's 42.1, v5e 18.2 against 39.1 (docs/performance.md).
+  Rows of no local group are 0 in z and stay 0: every gated unit maps (0, 0) to 0."""
+  m, half = z.shape[0], z.shape[1] // 2
+  rows = _gate_pass_rows(m, half, out_dtype, chip) if layout == "interleaved" else None
+  if rows is None:
+    return epilogue(*_gated_halves(z, layout, half, chip)).astype(out_dtype)
+
+  def kernel(z_ref, out_ref):
+    out_ref[...] = epilogue(*_deinterleave_lanes(z_ref[...])).astype(out_ref.dtype)
+
+  return pl.pallas_call(
+      kernel,
+      grid=(pl.cdiv(m, rows),),
+      in_specs=[pl.BlockSpec((rows, 2 * half), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec((rows, half), lambda i: (i, 0)),
+      out_shape=jax.ShapeDtypeStruct((m, half), out_dtype),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+      interpret=interpret,
+      name="ragged_dot_gate_pass",
+  )(z)
 
 
 def _join_columns(gate, up, layout):
@@ -897,22 +949,24 @@ def gate_up_route(m: int, n_full: int, layout: str, weight_bytes: int) -> str:
               of the same weight array (no copy); one gated kernel.
   Otherwise (gpt-oss's interleaved columns, or halves not whole 128-lane blocks), gate
   and up cannot be addressed as blocks of one array:
-  "xla_gate": the plain kernel writes a float32 (m, 2I) intermediate and XLA gates it,
+  "gate_pass": the plain kernel writes a float32 (m, 2I) intermediate and a second pass
+              gates it (`gate_pass`: a Pallas kernel for interleaved columns; named
+              "xla_gate" until 2026-12-06, when that pass was XLA's),
               where that intermediate is smaller than the weights (decode);
   above that (prefill):
   "lanes":    interleaved columns: one gated kernel reads blocks of 2 bn interleaved
               columns and de-interleaves its accumulator (`_deinterleave_lanes`);
   "split":    concatenated halves off the 128-lane grid: the weights are split in XLA (a
               copy of all of them) and fed to the gated kernel.
-  At decode "lanes" rates slower than "xla_gate" (gpt-oss-20b at 64 tokens x top-4,
-  gate/up with the gate: v6e 743 against 697 us, v5e 1,500 against 1,359; static
+  At decode "lanes" rates slower than "gate_pass" (gpt-oss-20b at 64 tokens x top-4,
+  gate/up with the gate: v6e 743 against 666 us, v5e 1,500 against 1,338; static
   estimates, docs/performance.md): it is HBM-bound on its n blocks, which pad 2880 to
   whole 128-lane blocks, so the threshold stays where it was.
   """
   if layout == "concatenated" and (n_full // 2) % 128 == 0:
     return "blocks"
   if 2 * m * n_full * 4 < weight_bytes:
-    return "xla_gate"
+    return "gate_pass"
   return "lanes" if layout == "interleaved" else "split"
 
 
@@ -940,11 +994,10 @@ def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
     return _gmm_call(lhs, ops(rhs), ops(scale), ops(bias), group_sizes, group_offset, t,
                      n_out=half, transpose_rhs=st.transpose_rhs, epilogue=epilogue,
                      out_dtype=out_dtype, chip=st.chip, interpret=st.interpret)
-  if route == "xla_gate":
+  if route == "gate_pass":
     z = _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st, epilogue=Epilogue(),
                  out_dtype=jnp.float32)
-    # Rows of no local group stay 0: every gated unit maps (0, 0) to 0.
-    return epilogue(*_gated_halves(z, st.layout, half, st.chip)).astype(out_dtype)
+    return gate_pass(z, st.layout, epilogue, out_dtype, st.chip, st.interpret)
   if route == "lanes":
     ops = lambda a: [] if a is None else [(a, 0)]
     return _gmm(lhs, ops(rhs), ops(scale), ops(bias), group_sizes, group_offset,

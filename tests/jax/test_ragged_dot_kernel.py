@@ -374,7 +374,8 @@ def test_vmem_limit_is_passed_through():
                                   K._V5E_STRIDED_GATE_MIN_ROWS])
 @pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
 def test_gated_halves_are_the_gate_and_up_columns(chip, rows, layout):
-  """The xla_gate route's (gate, up) split, on either side of v5e's strided threshold,
+  """The XLA gate's (gate, up) split (gate_pass's fallback, and its route for concatenated
+  halves), on either side of v5e's strided threshold,
   equals the columns picked by index (a permutation: exact)."""
   half = 6
   z = np.arange(rows * 2 * half, dtype=np.float32).reshape(rows, 2 * half)
@@ -386,7 +387,7 @@ def test_gated_halves_are_the_gate_and_up_columns(chip, rows, layout):
 
 
 @pytest.mark.parametrize("m, k, half, groups, fused", [
-    (8, 256, 64, 4, False),    # decode-like: gate in XLA on a small f32 intermediate
+    (8, 256, 64, 4, False),    # decode-like: the gate pass on a small f32 intermediate
     (64, 3, 8, 2, True),       # prefill-like: one gated kernel de-interleaves ("lanes")
 ])
 @pytest.mark.parametrize("activation", ["silu", "gpt_oss", "clamped_silu"])
@@ -400,6 +401,7 @@ def test_interleaved_gate_up_picks_the_cheaper_route(m, k, half, groups, fused, 
                                           layout="interleaved", bias=b, interpret=True)
   jaxpr = str(jax.make_jaxpr(fn)(x, w, b))
   assert ("ragged_dot_gated" in jaxpr) == fused
+  assert ("ragged_dot_gate_pass" in jaxpr) != fused
   expected = ref.ragged_dot(x, w, sizes, bias=b, gated_name=activation, layout="interleaved")
   ref.assert_close(fn(x, w, b), expected, ref.RAGGED_TOLERANCE["float32"], "out")
   g = rng.standard_normal((m, half)).astype(np.float32)
@@ -407,6 +409,39 @@ def test_interleaved_gate_up_picks_the_cheaper_route(m, k, half, groups, fused, 
   for got, want, what in zip(grads, ref.ragged_dot_grads(
       x, w, sizes, g, bias=b, gated_name=activation, layout="interleaved"), "xwb"):
     ref.assert_close(got, want, ref.RAGGED_GRAD_TOLERANCE["float32"], what)
+
+
+@pytest.mark.parametrize("m, half", [(5, 32), (64, 128), (70, 200)])
+@pytest.mark.parametrize("activation, out_dtype", [("gpt_oss", "bfloat16"), ("silu", "float32")])
+def test_gate_pass_matches_float64_reference(m, half, activation, out_dtype):
+  """The gate pass's kernel on interleaved columns: fewer rows than a step, one step, a
+  partial last step (64-row steps); half under a vreg, one vreg, and a partial chunk.
+  Against the float64 gate of the columns picked by index, at the output dtype's
+  rounding; rows of zeros (no group) give zeros."""
+  rng = np.random.default_rng(m + half)
+  z = (rng.standard_normal((m, 2 * half)) * 4).astype(np.float32)
+  z[0] = 0.0
+  ep = K.Epilogue(activation=activation, gated=True)
+  assert K._gate_pass_rows(m, half, jnp.dtype(out_dtype), "v5e") == min(m, 64)
+  fn = lambda z: K.gate_pass(z, "interleaved", ep, jnp.dtype(out_dtype), "v5e",
+                             interpret=True)
+  assert "ragged_dot_gate_pass" in str(jax.make_jaxpr(fn)(z))
+  got = np.asarray(fn(jnp.asarray(z)).astype(jnp.float32), np.float64)
+  want = ref.gated(activation, z[:, 0::2], z[:, 1::2])
+  rtol = 2.0 ** -8 if out_dtype == "bfloat16" else 1e-5
+  np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-6)
+  np.testing.assert_array_equal(got[0], 0.0)
+
+
+def test_gate_pass_takes_xla_where_no_row_block_fits():
+  """A width whose 16-row block overflows the VMEM budget goes to XLA's gate: the same
+  values, no kernel."""
+  half = 1 << 17
+  assert K._gate_pass_rows(16, half, jnp.dtype("float32"), "v5e") is None
+  ep = K.Epilogue(activation="silu", gated=True)
+  z = jax.ShapeDtypeStruct((16, 2 * half), jnp.float32)
+  fn = lambda z: K.gate_pass(z, "interleaved", ep, jnp.float32, "v5e", interpret=True)
+  assert "pallas_call" not in str(jax.make_jaxpr(fn)(z))
 
 
 @pytest.mark.parametrize("width", [64, 128, 192, 256, 400, 512])

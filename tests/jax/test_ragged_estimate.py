@@ -186,7 +186,7 @@ def test_quantized_hbm_replay_counts_one_byte_weights_and_scales():
 
 def test_gpt_oss_gate_up_is_rated_as_the_route_the_op_takes():
   """gpt-oss's interleaved gate/up at decode: the plain kernel to a float32 (m, 2I)
-  (ragged_dot.gate_up_route "xla_gate"), weights (G, k, n)."""
+  (ragged_dot.gate_up_route "gate_pass"), weights (G, k, n)."""
   sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
   import headline
   case = headline.GroupedMatmul.of("gpt-oss-20b", 64, "gate_up+gpt_oss", "int8")

@@ -217,7 +217,7 @@ def test_direct_experts_with_placeholder_ids(registered, kind):
 def test_gpt_oss_experts_at_prefill_size(registered):
   """80 tokens x top-2 on the small gpt-oss module: the float32 [160, 2I] intermediate
   outweighs the weights, so the gated kernel de-interleaves gate / up itself (ragged_dot's
-  "lanes" route; the other tests here are small enough for "xla_gate"). Forward against
+  "lanes" route; the other tests here are small enough for "gate_pass"). Forward against
   the float64 reference and Transformers' grouped_mm path, gradients against the latter."""
   ragged_dot = importlib.import_module(f"{registered.__name__}.tpu_kernels.ragged_dot")
   module = _direct_experts("gpt_oss")
