@@ -2,7 +2,8 @@
 
 The layer is one jitted program of five parts, run one after another:
 
-  route      moe.route: argsort of the T*K expert ids, group sizes, gather of the rows
+  route      moe.route: sort of the T*K expert ids (moe_route's kernel at decode, XLA's
+             argsort else), group sizes, gather of the rows
   tables     two `ragged_dot_visit_table` kernels (one per projection): NOT rated, the
              static estimator crashes on their scalar loops (as for the headline gmm rows)
   gate/up    the gated grouped matmul, silu epilogue          (ragged_estimate's method)
@@ -189,12 +190,12 @@ def glue_programs(case: headline.ExpertsLayer,
   XLA's "bytes accessed" of the custom call does not see."""
   dt = jnp.dtype(case.dtype)
   s = case.rows
-  route = lambda hidden, ids: moe.route(hidden, ids, case.experts)
+  route = lambda hidden, ids: moe.route(hidden, ids, case.experts, chip=chip)
   combine = lambda y, perm, w: moe.combine(y, perm, w, out_dtype=dt, chip=chip)
   combine_bytes = (s * case.hidden * 4 + case.tokens * case.hidden * dt.itemsize
-                   + s * (4 + 4 + dt.itemsize))     # y, out, perm and its inverse, weights
+                   + s * (4 + dt.itemsize))     # y, out, pos, weights
   programs = {
-      "route (argsort, group sizes, gather)": (route, [
+      "route (sort, group sizes, gather)": (route, [
           jax.ShapeDtypeStruct((case.tokens, case.hidden), dt),
           jax.ShapeDtypeStruct((case.tokens, case.top_k), jnp.int32)], 0),
       "combine (weights, unsort, sum over top-k)": (combine, [
@@ -333,19 +334,19 @@ def rate(case: headline.ExpertsLayer, chip: str) -> dict:
 
 
 def xla_program(case: headline.ExpertsLayer):
-  """The XLA baseline of the whole layer: moe's route and XLA's combine around two
-  jax.lax.ragged_dot calls (weights in their native (E, k, n) layout) and the case's gate
-  (columns and activation), one program."""
+  """The XLA baseline of the whole layer: moe's XLA sort (`sort_pairs_xla`), the gather and
+  XLA's combine around two jax.lax.ragged_dot calls (weights in their native (E, k, n)
+  layout) and the case's gate (columns and activation), one program."""
   dt = jnp.dtype(case.dtype)
 
   def fn(hidden, ids, weights, gate_up, down):
-    x, perm, sizes = moe.route(hidden, ids, case.experts)
+    pos, src, sizes = moe.sort_pairs_xla(ids, case.experts)
+    x = hidden.at[src].get(mode="promise_in_bounds")
     z = jax.lax.ragged_dot(x, gate_up, sizes, preferred_element_type=jnp.float32)
     epilogue = R.Epilogue(activation=case.activation, gated=True)
     h = epilogue(*R._split_columns(z, case.layout, case.width, 1)).astype(dt)
     y = jax.lax.ragged_dot(h, down, sizes, preferred_element_type=jnp.float32)
-    ids = jnp.argsort(perm).reshape(case.tokens, case.top_k)
-    return moe.combine_xla(y, ids, weights).astype(dt)
+    return moe.combine_xla(y, pos.reshape(case.tokens, case.top_k), weights).astype(dt)
 
   specs = [jax.ShapeDtypeStruct((case.tokens, case.hidden), dt),
            jax.ShapeDtypeStruct((case.tokens, case.top_k), jnp.int32),

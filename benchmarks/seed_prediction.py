@@ -345,7 +345,7 @@ def shared_programs(layer: Layer) -> dict:
 # ----------------------------------------------------------------------------- rating
 
 
-OURS_EXPERTS = ("gate/up+silu kernel", "down kernel", "route (argsort, group sizes, gather)",
+OURS_EXPERTS = ("gate/up+silu kernel", "down kernel", "route (sort, group sizes, gather)",
                 "combine (weights, unsort, sum over top-k)")
 
 

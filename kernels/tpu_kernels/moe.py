@@ -7,9 +7,10 @@ The same computation as Transformers' `grouped_mm_experts_forward`
 (`transformers/integrations/moe.py`), step for step:
 
   1. Flatten the T*K (token, expert) pairs: expert id `ids[s]`, weight `w[s]`, token `s // K`.
-  2. Sort the pairs by expert id (stable, so rows of one expert keep token order). Expert-
-     parallel placeholder ids (>= num_experts: experts on another shard) and negative ids (a
-     dropped pair) sort to the tail.
+  2. Sort the pairs by expert id (stable, so rows of one expert keep token order): at decode
+     by index arithmetic in one Pallas kernel (`moe_route.route_indices`), else by XLA's
+     argsort. Expert-parallel placeholder ids (>= num_experts: experts on another shard)
+     and negative ids (a dropped pair) sort to the tail.
   3. group_sizes[e] = number of pairs routed to expert e, counting real experts only. The
      placeholder rows lie past sum(group_sizes): in no group, so the kernel writes zeros for
      them and they contribute nothing (neither to the output nor to any gradient).
@@ -42,7 +43,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import chips, moe_combine, ragged_dot
+from . import chips, moe_combine, moe_route, ragged_dot
 
 # The gate activation names moe_experts takes: the kernel's, plus the clamped gates
 # (gpt-oss's, and the clamped SwiGLU "clamped_silu").
@@ -93,7 +94,7 @@ def moe_experts(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Ar
     raise ValueError(f"activation {activation!r} needs a gate (has_gate=True)")
   kernel_args = dict(chip=chip, interpret=interpret)
 
-  x, perm, group_sizes = route(hidden, top_k_index, num_experts)        # steps 1-4
+  x, pos, group_sizes = route(hidden, top_k_index, num_experts, **kernel_args)  # 1-4
 
   # 5. gate/up projection, activation fused.
   if has_gate:
@@ -114,46 +115,65 @@ def moe_experts(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Ar
   if y.shape[1] != hidden_size:
     raise ValueError(f"down_weight produces width {y.shape[1]}, hidden has {hidden_size}")
 
-  return combine(y, perm, top_k_weights, out_dtype=hidden.dtype, **kernel_args)  # step 7
+  return combine(y, pos, top_k_weights, out_dtype=hidden.dtype, **kernel_args)  # step 7
 
 
 # The glue around the two kernels, as functions of their own so that the static estimate of
 # the whole layer (benchmarks/experts_layer_estimate.py) rates exactly these ops.
 
 
-def route(hidden: jax.Array, top_k_index: jax.Array, num_experts: int):
+def route(hidden: jax.Array, top_k_index: jax.Array, num_experts: int, *,
+          chip: str = chips.DEFAULT_CHIP, interpret: bool = False):
   """Steps 1-4: hidden [T, H], top_k_index [T, K] int -> (x [S, H] hidden's dtype, the
-  token rows in expert order; perm [S] int32, sorted position -> pair index t * K + k;
+  token rows in expert order; pos [S] int32, pair index t * K + k -> its sorted row;
   group_sizes [num_experts] int32), S = T * K. Ids outside [0, num_experts) (expert-parallel
-  placeholders, or a negative id for a dropped pair) sort to the tail, in no group."""
+  placeholders, or a negative id for a dropped pair) sort to the tail, in no group.
+
+  At decode (`moe_route.fits`) one Pallas kernel computes pos, the rows' tokens and the
+  group sizes without a sort; elsewhere XLA's stable argsort does, and a second argsort
+  inverts it. Both give the same order."""
+  tokens, top_k = top_k_index.shape
+  if moe_route.fits(tokens, top_k, num_experts, chip):
+    pos, src, group_sizes = moe_route.route_indices(top_k_index, num_experts,
+                                                    interpret=interpret)
+  else:
+    pos, src, group_sizes = sort_pairs_xla(top_k_index, num_experts)
+  # 4. token rows in expert order. src < T always: "promise_in_bounds" spares the
+  # out-of-bounds select jnp.take adds over all of [S, H] (811 us of v6e's static estimate
+  # at S = 65536 rows of 2048).
+  x = hidden.at[src].get(mode="promise_in_bounds")                      # [S, H]
+  return x, pos, group_sizes
+
+
+def sort_pairs_xla(top_k_index: jax.Array, num_experts: int):
+  """Steps 1-3 by XLA's stable argsort: top_k_index [T, K] int -> (pos [S] int32, pair ->
+  its sorted row; src [S] int32, sorted row -> its token; group_sizes [num_experts] int32).
+  `route` away from decode, and the route of the XLA baseline layer
+  (benchmarks/experts_layer_estimate.py)."""
   top_k = top_k_index.shape[1]
-  # 1-3. flatten, sort by expert (every id outside the experts as one past the last), count.
+  # Flatten, sort by expert (every id outside the experts as one past the last), count.
   expert_ids = top_k_index.reshape(-1).astype(jnp.int32)                 # [S]
   in_range = (expert_ids >= 0) & (expert_ids < num_experts)
   perm = jnp.argsort(jnp.where(in_range, expert_ids, num_experts), stable=True)
   # Counted by a compare-and-sum over [S, E], not a scatter-add: XLA offloads that scatter
   # on TPU, where libtpu's static estimate cannot rate it (v6e: INT64_MAX cycles; v5e:
-  # aborts). The compare rates 80 us on v6e at S = 65536, E = 128, and under 3 at decode.
+  # aborts). The compare rates 80 us on v6e at S = 65536, E = 128.
   group_sizes = jnp.sum(expert_ids[:, None] == jnp.arange(num_experts, dtype=jnp.int32),
                         axis=0, dtype=jnp.int32)
-  # 4. token rows in expert order. perm // K < T always: "promise_in_bounds" spares the
-  # out-of-bounds select jnp.take adds over all of [S, H] (811 us of v6e's static estimate
-  # at S = 65536 rows of 2048).
-  x = hidden.at[perm // top_k].get(mode="promise_in_bounds")              # [S, H]
-  return x, perm, group_sizes
+  pos = jnp.argsort(perm).astype(jnp.int32)            # perm is a permutation: its inverse
+  return pos, (perm // top_k).astype(jnp.int32), group_sizes
 
 
-def combine(y: jax.Array, perm: jax.Array, top_k_weights: jax.Array, *,
+def combine(y: jax.Array, pos: jax.Array, top_k_weights: jax.Array, *,
             out_dtype=jnp.float32, chip: str = chips.DEFAULT_CHIP,
             interpret: bool = False) -> jax.Array:
-  """Step 7: y [S, H] float32 (rows in expert order), perm [S] from `route`,
+  """Step 7: y [S, H] float32 (rows in expert order), pos [S] from `route`,
   top_k_weights [T, K] -> [T, H] out_dtype: back to token order, routing weights applied,
   summed over the K experts of each token in float32. The Pallas kernel
   (`moe_combine.gather_weighted_sum`) where its plan fits the chip's VMEM, else
   `combine_xla`; differentiable w.r.t. y and top_k_weights either way."""
   tokens, top_k = top_k_weights.shape
-  # pair index t * K + k -> its sorted position (perm is a permutation).
-  ids = jnp.argsort(perm).astype(jnp.int32).reshape(tokens, top_k)
+  ids = pos.astype(jnp.int32).reshape(tokens, top_k)    # (t, k) -> its row of y
   if moe_combine.block_tokens(tokens, top_k, y.shape[1], out_dtype, chip) is None:
     return combine_xla(y, ids, top_k_weights).astype(out_dtype)
   return _combine_kernel(y, ids, top_k_weights, jnp.dtype(out_dtype), chip, interpret)

@@ -8,7 +8,8 @@ static estimate rates far below HBM bandwidth at prefill. Qwen3-30B-A3B, 8192 to
 top-8, the gather of 65,536 float32 rows of 2048 (537 MB; reading them takes 330 us at
 v6e's bandwidth): XLA's combine 3,082 us of cycles on v6e, 4,793 on v5e; this kernel 1,178
 and 1,658. At decode it also spares XLA's half-dozen small ops (v6e, T = 1: 8.5 -> 2.4 us;
-4.3 with moe.combine's argsort). A row is contiguous in HBM, so one DMA moves it whole.
+4.3 with the argsort that inverted moe.route's permutation; moe.route gives that
+inverse, pos, itself since 2026-12-06). A row is contiguous in HBM, so one DMA moves it whole.
 
 Layout: the grid walks the T tokens in blocks of `block_tokens` ("parallel": steps are
 independent). Each step
@@ -21,7 +22,7 @@ The ids are zero-padded to whole steps: a last, partial step copies row 0 for it
 tokens into scratch rows whose output rows Pallas' masked write-back drops, so no copy
 reads out of bounds and no output row is left unwritten.
 
-The ids must lie in [0, S): moe.combine passes the inverse of moe.route's permutation, so
+The ids must lie in [0, S): moe.combine passes moe.route's pos (a permutation), so
 this is the caller's promise and is not checked at run time (an id out of range would be
 a DMA out of bounds). Not differentiable by itself: moe.combine gives it a custom VJP.
 

@@ -90,11 +90,11 @@ def test_combine_takes_xla_where_the_kernel_does_not_fit(chip):
   tokens, top_k, hidden = 2, 64, 16384
   assert moe_combine.block_tokens(tokens, top_k, hidden, jnp.float32, chip) is None
   y = rng.standard_normal((tokens * top_k, hidden)).astype(np.float32)
-  perm = rng.permutation(tokens * top_k).astype(np.int32)
+  pos = rng.permutation(tokens * top_k).astype(np.int32)    # pair -> its row of y
   w = rng.random((tokens, top_k)).astype(np.float32)
-  got = moe.combine(jnp.asarray(y), jnp.asarray(perm), jnp.asarray(w), chip=chip,
+  got = moe.combine(jnp.asarray(y), jnp.asarray(pos), jnp.asarray(w), chip=chip,
                     interpret=True)
-  ids = np.argsort(perm).reshape(tokens, top_k)
+  ids = pos.reshape(tokens, top_k)
   np.testing.assert_allclose(np.asarray(got), _reference(y, ids, w), rtol=1e-5, atol=1e-4)
 
 
@@ -104,11 +104,11 @@ def test_combine_gradient_matches_finite_differences():
   rng = np.random.default_rng(4)
   tokens, top_k, hidden = 5, 3, 128
   y = rng.standard_normal((tokens * top_k, hidden))
-  perm = rng.permutation(tokens * top_k).astype(np.int32)
+  pos = rng.permutation(tokens * top_k).astype(np.int32)    # pair -> its row of y
   w = rng.random((tokens, top_k))
   g = rng.standard_normal((tokens, hidden))
-  ids = np.argsort(perm).reshape(tokens, top_k)
-  _, vjp = jax.vjp(lambda y_, w_: moe.combine(y_, jnp.asarray(perm), w_, interpret=True),
+  ids = pos.reshape(tokens, top_k)
+  _, vjp = jax.vjp(lambda y_, w_: moe.combine(y_, jnp.asarray(pos), w_, interpret=True),
                    jnp.asarray(y, jnp.float32), jnp.asarray(w, jnp.float32))
   dy, dw = vjp(jnp.asarray(g, jnp.float32))
   vy, vw = rng.standard_normal(y.shape), rng.standard_normal(w.shape)

@@ -120,7 +120,7 @@ def test_test_mapping_follows_build_toml_and_names():
   manifest = release.load_manifest()
   own = {name: release.own_modules(name, manifest) for name in manifest["kernel"]}
   assert own["rms-norm-tpu"] == ["rms_norm"]
-  assert own["ragged-dot-tpu"] == ["ragged_dot", "moe_combine", "moe"]
+  assert own["ragged-dot-tpu"] == ["ragged_dot", "moe_combine", "moe_route", "moe"]
   assert own["flash-attention-tpu"] == ["flash_attention"]
   assert own["paged-attention-tpu"] == ["paged_attention"]
   cases = {
@@ -133,6 +133,7 @@ def test_test_mapping_follows_build_toml_and_names():
       "tests/torch/test_moe_experts.py": [("ragged-dot-tpu", "property")],
       "tests/jax/test_moe.py": [("ragged-dot-tpu", "property")],
       "tests/jax/test_moe_combine.py": [("ragged-dot-tpu", "property")],
+      "tests/jax/test_moe_route.py": [("ragged-dot-tpu", "property")],
       "tests/jax/test_flash_attention_aot.py": [("flash-attention-tpu", "aot")],
       "tests/torch/test_flash_attention_models.py": [("flash-attention-tpu", "property")],
       # the fourth kernel, by naming alone:
