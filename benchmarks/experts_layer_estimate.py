@@ -27,9 +27,12 @@ tiles - 1 more).
 Glue (route, combine; for gpt-oss at decode also the gate pass after a plain gate/up
 kernel, the "gate_pass" route its interleaved columns take): the same functions moe_experts
 calls, compiled for the chip with the static profile on: cycles from the estimate of every
-op (the combine's and the gate pass's Pallas kernels included), HBM bytes from XLA's own
-cost_analysis ("bytes accessed") of the same program, raised for the combine and the gate
-pass to the bytes they must move (a kernel's own DMAs are not in cost_analysis). An op
+op (the Pallas kernels of the route at decode, the combine and the gate pass included),
+HBM bytes from XLA's own cost_analysis ("bytes accessed") of the same program, raised to
+the bytes each part must move (a kernel's own DMAs are not in cost_analysis). The route's
+and the gate pass's outputs take the layout XLA chooses, as inside the layer, where a
+kernel reads them (`_compile_glue`); the combine's keep the default of a program's
+result, as the layer's own result does. An op
 the estimator returns INT64_MAX for (the offloaded scatter-add that counted group sizes
 until 2026-12-04, and still does in seed_prediction's grouped_mm glue) counts by its bytes
 only. cost_analysis counts a row gather's bytes many times over (2.6 GB for the route's
@@ -184,20 +187,22 @@ def _kernel_part(gmm: RoutedGmm, case: headline.ExpertsLayer, rate_gmm: Callable
 
 def glue_programs(case: headline.ExpertsLayer,
                   chip: str) -> dict[str, tuple[Callable, list, int]]:
-  """route, combine (and gpt-oss's XLA gate at decode) as moe_experts calls them on the
+  """route, combine (and gpt-oss's gate pass at decode) as moe_experts calls them on the
   chip: (function, argument specs, the bytes it must move at least). The last counts where
-  cost_analysis cannot: the combine's Pallas kernel reads y's rows by its own DMAs, which
-  XLA's "bytes accessed" of the custom call does not see."""
+  cost_analysis cannot: a Pallas kernel's own bytes (the route's at decode, the combine's
+  row DMAs, the gate pass) are not in XLA's "bytes accessed" of the custom call."""
   dt = jnp.dtype(case.dtype)
   s = case.rows
   route = lambda hidden, ids: moe.route(hidden, ids, case.experts, chip=chip)
   combine = lambda y, perm, w: moe.combine(y, perm, w, out_dtype=dt, chip=chip)
   combine_bytes = (s * case.hidden * 4 + case.tokens * case.hidden * dt.itemsize
                    + s * (4 + dt.itemsize))     # y, out, pos, weights
+  route_bytes = ((case.tokens + s) * case.hidden * dt.itemsize   # hidden in, rows out
+                 + s * (4 + 4) + case.experts * 4)               # ids, pos, group sizes
   programs = {
       "route (sort, group sizes, gather)": (route, [
           jax.ShapeDtypeStruct((case.tokens, case.hidden), dt),
-          jax.ShapeDtypeStruct((case.tokens, case.top_k), jnp.int32)], 0),
+          jax.ShapeDtypeStruct((case.tokens, case.top_k), jnp.int32)], route_bytes),
       "combine (weights, unsort, sum over top-k)": (combine, [
           aot.RowMajor((s, case.hidden), jnp.float32),              # the down kernel's out
           jax.ShapeDtypeStruct((s,), jnp.int32),
@@ -228,16 +233,26 @@ def op_cycles(hlo_text: str) -> list[tuple[str, int]]:
   return out
 
 
-def _compile_glue(fn, specs, chip: str):
-  """The glue program compiled for the chip, and XLA's cost_analysis of it."""
+def _compile_glue(fn, specs, chip: str, kernel_fed: bool = False):
+  """The glue program compiled for the chip, and XLA's cost_analysis of it. `kernel_fed`:
+  its outputs go to a Mosaic kernel within the layer (the route's rows to gate/up, the
+  gate pass's to down), so they take the layout XLA chooses (`Layout.AUTO`), as they do
+  there. Else they keep the entry's default layout, as the layer's own result does: a
+  result such as [256, 2880] bfloat16 then gets a copy into the TPU's column-major layout
+  (7,550 cycles on v6e)."""
+  from jax.experimental.layout import Format, Layout
   device = aot.topology_device(chip)
-  compiled = jax.jit(fn).trace(*[aot._on_device(s, device) for s in specs]).lower().compile()
+  args = [aot._on_device(s, device) for s in specs]
+  jitted = (jax.jit(fn, out_shardings=Format(Layout.AUTO,
+                                              jax.sharding.SingleDeviceSharding(device)))
+            if kernel_fed else jax.jit(fn))
+  compiled = jitted.trace(*args).lower().compile()
   cost = compiled.cost_analysis()
   return compiled, cost[0] if isinstance(cost, list) else cost
 
 
-def _glue_part(fn, specs, chip: str, min_bytes: int = 0) -> dict:
-  compiled, cost = _compile_glue(fn, specs, chip)
+def _glue_part(fn, specs, chip: str, min_bytes: int = 0, kernel_fed: bool = False) -> dict:
+  compiled, cost = _compile_glue(fn, specs, chip, kernel_fed)
   ops = op_cycles(compiled.as_text())
   if not ops:
     raise RuntimeError("the compiled glue carries no estimated_cycles (profile flag off?)")
@@ -256,10 +271,11 @@ def _glue_part(fn, specs, chip: str, min_bytes: int = 0) -> dict:
   return part
 
 
-def glue_cost_analysis(fn, specs, chip: str, min_bytes: int = 0) -> dict:
+def glue_cost_analysis(fn, specs, chip: str, min_bytes: int = 0,
+                       kernel_fed: bool = False) -> dict:
   """A glue part by XLA's cost_analysis (no profile flag): where the static estimator
   aborts on it (v5e: gathers and scatters, "Unsupported DMA direction: 10 on VL/VLP")."""
-  _, cost = _compile_glue(fn, specs, chip)
+  _, cost = _compile_glue(fn, specs, chip, kernel_fed)
   seconds = float(cost["optimal_seconds"])
   if seconds <= 0:
     raise RuntimeError(f"cost_analysis gives optimal_seconds {seconds}")
@@ -267,6 +283,10 @@ def glue_cost_analysis(fn, specs, chip: str, min_bytes: int = 0) -> dict:
               hbm_bytes=max(int(cost["bytes accessed"]), min_bytes),
               method="XLA cost_analysis (optimal_seconds, bytes accessed; a lower bound: "
                      "no per-op cost): the static estimator aborts on this part")
+
+
+# The glue parts whose outputs a kernel of the layer reads (`_compile_glue`'s kernel_fed).
+KERNEL_FED = ("route", "gate")
 
 
 def rate_part(case: headline.ExpertsLayer, chip: str, part: str, fallback: bool) -> dict:
@@ -281,7 +301,7 @@ def rate_part(case: headline.ExpertsLayer, chip: str, part: str, fallback: bool)
     return rated
   fn, specs, min_bytes = glue_programs(case, chip)[part]
   rate_glue = glue_cost_analysis if fallback else _glue_part
-  return rate_glue(fn, specs, chip, min_bytes)
+  return rate_glue(fn, specs, chip, min_bytes, kernel_fed=part.startswith(KERNEL_FED))
 
 
 PART_TIMEOUT_S = 900

@@ -8,8 +8,8 @@ The same computation as Transformers' `grouped_mm_experts_forward`
 
   1. Flatten the T*K (token, expert) pairs: expert id `ids[s]`, weight `w[s]`, token `s // K`.
   2. Sort the pairs by expert id (stable, so rows of one expert keep token order): at decode
-     by index arithmetic in one Pallas kernel (`moe_route.route_indices`), else by XLA's
-     argsort. Expert-parallel placeholder ids (>= num_experts: experts on another shard)
+     by index arithmetic in one Pallas kernel (`moe_route`), which also does step 4, else
+     by XLA's argsort. Expert-parallel placeholder ids (>= num_experts: experts on another shard)
      and negative ids (a dropped pair) sort to the tail.
   3. group_sizes[e] = number of pairs routed to expert e, counting real experts only. The
      placeholder rows lie past sum(group_sizes): in no group, so the kernel writes zeros for
@@ -129,10 +129,13 @@ def route(hidden: jax.Array, top_k_index: jax.Array, num_experts: int, *,
   group_sizes [num_experts] int32), S = T * K. Ids outside [0, num_experts) (expert-parallel
   placeholders, or a negative id for a dropped pair) sort to the tail, in no group.
 
-  At decode (`moe_route.fits`) one Pallas kernel computes pos, the rows' tokens and the
-  group sizes without a sort; elsewhere XLA's stable argsort does, and a second argsort
-  inverts it. Both give the same order."""
+  At decode one Pallas kernel computes pos and the group sizes without a sort, and gathers
+  the rows too (`moe_route.route_rows`; where its VMEM plan does not fit,
+  `moe_route.route_indices` and XLA's gather); elsewhere XLA's stable argsort sorts, and a
+  second argsort inverts it. All give the same order and the same rows, bit for bit."""
   tokens, top_k = top_k_index.shape
+  if moe_route.fits_rows(tokens, top_k, num_experts, hidden.shape[1], hidden.dtype, chip):
+    return moe_route.route_rows(hidden, top_k_index, num_experts, interpret=interpret)
   if moe_route.fits(tokens, top_k, num_experts, chip):
     pos, src, group_sizes = moe_route.route_indices(top_k_index, num_experts,
                                                     interpret=interpret)

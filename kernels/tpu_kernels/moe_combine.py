@@ -26,7 +26,8 @@ The ids must lie in [0, S): moe.combine passes moe.route's pos (a permutation), 
 this is the caller's promise and is not checked at run time (an id out of range would be
 a DMA out of bounds). Not differentiable by itself: moe.combine gives it a custom VJP.
 
-Why the route's gather stays XLA's: the same row DMAs cannot move one bfloat16 row
+Why the route's gather is not row DMAs (past decode it is XLA's; at decode
+moe_route's one-hot matmuls): the same row DMAs cannot move one bfloat16 row
 (Mosaic: a bf16 HBM row slice is not aligned to its (16, 128) tiles), and for float32 rows
 they rate 1,398 us on v6e at Qwen3's prefill against XLA's 413 us for the bf16 gather.
 """
@@ -93,6 +94,13 @@ def gather_weighted_sum(y: jax.Array, ids: jax.Array, weights: jax.Array, *,
     raise ValueError(f"gather_weighted_sum: y has {y.shape[0]} rows, fewer than the {block} "
                      f"tokens of a step")
   steps = pl.cdiv(tokens, block)
+  # The weights go in as they are, cast in the kernel (XLA's convert is an op of its own:
+  # 2.1k cycles of v6e's static estimate at T = 1), unless a block of them would be a
+  # partial packed tile (fewer rows than the dtype packs, as 8 rows of bfloat16), or of a
+  # dtype other than bfloat16.
+  if (weights.dtype != jnp.bfloat16
+      or block != tokens and block % vmem.sublane_multiple(weights.dtype)):
+    weights = weights.astype(jnp.float32)
   # [steps, 1, K * bt]: Mosaic checks a 1-D block against the local device's tiling, which
   # an ahead-of-time compile on a CPU host does not have; whole trailing dims pass without.
   ids_by_step = jnp.pad(ids.reshape(-1).astype(jnp.int32),
@@ -105,7 +113,7 @@ def gather_weighted_sum(y: jax.Array, ids: jax.Array, weights: jax.Array, *,
                               rows_ref.at[k, pl.ds(t, 1)], sem).start()
     for k in range(top_k):    # one wait per slab: the bytes of its `block` row copies
       pltpu.make_async_copy(y_hbm.at[pl.ds(0, block)], rows_ref.at[k], sem).wait()
-    w = w_ref[...]                                                   # [bt, K] f32
+    w = w_ref[...].astype(jnp.float32)                               # [bt, K]
     acc = rows_ref[0] * w[:, 0:1]
     for k in range(1, top_k):
       acc += rows_ref[k] * w[:, k:k + 1]
@@ -124,4 +132,4 @@ def gather_weighted_sum(y: jax.Array, ids: jax.Array, weights: jax.Array, *,
                       pltpu.SemaphoreType.DMA(())],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
       interpret=interpret,
-  )(ids_by_step, weights.astype(jnp.float32), y)
+  )(ids_by_step, weights, y)

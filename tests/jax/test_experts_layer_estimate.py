@@ -122,6 +122,22 @@ def test_route_and_combine_match_numpy(tokens):
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_kernel_fed_glue_takes_no_layout_copy():
+  """gpt-oss's gate pass at T=64 writes [256, 2880] bfloat16 rows that the down kernel
+  reads: compiled as a program's result they take a column-major copy, kernel-fed (the
+  layout XLA chooses, as inside the layer) none; the combine, the layer's result, is not
+  kernel-fed."""
+  case = next(c for c in headline.EXPERTS_LAYER
+              if c.model == "gpt-oss-20b" and c.tokens == 64)
+  fn, specs, _ = X.glue_programs(case, "v6e")["gate (after the gate/up kernel)"]
+  copies = [" copy(" in X._compile_glue(fn, specs, "v6e", fed)[0].as_text()
+            for fed in (False, True)]
+  assert copies == [True, False]
+  parts = X.glue_programs(case, "v6e")
+  assert [p for p in parts if p.startswith(X.KERNEL_FED)] == [
+      "route (sort, group sizes, gather)", "gate (after the gate/up kernel)"]
+
+
 def test_op_cycles_reads_every_op_and_the_unestimated_sentinel():
   text = ('%a = f32[2] add(%x, %y), backend_config={"estimated_cycles":"120"}\n'
           '  %s = s32[128] fusion(%p), kind=kCustom, backend_config='

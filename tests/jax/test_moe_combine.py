@@ -120,6 +120,22 @@ def test_combine_gradient_matches_finite_differences():
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_compiles_for_the_chip_at_decode_with_bfloat16_weights(chip, tokens):
+  """Decode (one step of all T tokens, or of 32): the bfloat16 weights are cast in the
+  kernel, and XLA's convert op is gone."""
+  device = aot.topology_device(chip)
+  specs = [jax.ShapeDtypeStruct((tokens * 8, 2048), jnp.float32),
+           jax.ShapeDtypeStruct((tokens, 8), jnp.int32),
+           jax.ShapeDtypeStruct((tokens, 8), jnp.bfloat16)]
+  fn = lambda y, ids, w: moe_combine.gather_weighted_sum(y, ids, w, out_dtype=jnp.bfloat16,
+                                                         chip=chip)
+  text = jax.jit(fn).trace(*[aot._on_device(s, device) for s in specs]).lower().compile(
+  ).as_text()
+  assert "tpu_custom_call" in text and " convert(" not in text
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
 def test_compiles_for_the_chip_at_qwen3_prefill(chip):
   """Mosaic's verdict at 8192 tokens x top-8 x 2048 (65,536 row copies): compiles within
   the default scoped-VMEM limit."""
