@@ -25,19 +25,19 @@ by a group crossing a row-tile boundary under uneven routing are not counted (at
 tiles - 1 more).
 
 Glue (route, combine; for gpt-oss at decode also the gate pass after a plain gate/up
-kernel, the "gate_pass" route its interleaved columns take): the same functions moe_experts
-calls, compiled for the chip with the static profile on: cycles from the estimate of every
-op (the Pallas kernels of the route at decode, the combine and the gate pass included),
-HBM bytes from XLA's own cost_analysis ("bytes accessed") of the same program, raised to
-the bytes each part must move (a kernel's own DMAs are not in cost_analysis). The route's
-and the gate pass's outputs take the layout XLA chooses, as inside the layer, where a
-kernel reads them (`_compile_glue`); the combine's keep the default of a program's
-result, as the layer's own result does. An op
-the estimator returns INT64_MAX for (the offloaded scatter-add that counted group sizes
-until 2026-12-04, and still does in seed_prediction's grouped_mm glue) counts by its bytes
-only. cost_analysis counts a row gather's bytes many times over (2.6 GB for the route's
-268 MB gather at Qwen3's prefill; 59 MB for the 4 MB XLA combine at T=64, before the
-kernel), so a gather-heavy part is rated by those bytes, an overestimate.
+kernel, the "gate_pass" route its interleaved columns take): the same functions
+moe_experts calls, compiled for the chip with the static profile on: cycles from the
+estimate of every op (the Pallas kernels of the route at decode, the combine and the gate
+pass included), HBM bytes from XLA's own cost_analysis ("bytes accessed") of the same
+program, raised to the bytes each part must move (a kernel's own DMAs are not in
+cost_analysis). The route's and the gate pass's outputs take the layout XLA chooses, as
+inside the layer, where a kernel reads them (`_compile_glue`); the combine's keep the
+default of a program's result, as the layer's own result does. An op the estimator returns
+INT64_MAX for (the offloaded scatter-add that counted group sizes until 2026-12-04, and
+still does in seed_prediction's grouped_mm glue) counts by its bytes only. cost_analysis
+counts a row gather's bytes many times over (2.6 GB for the route's 268 MB gather at
+Qwen3's prefill; 59 MB for the 4 MB XLA combine at T=64, before the kernel), so a
+gather-heavy part is rated by those bytes, an overestimate.
 
 Each part is rated in its own child process (the estimator aborts processes), with one
 fallback where it aborts: a kernel at 8 rows (v5e's LLO type check) is rated at 16 rows;
@@ -56,7 +56,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -142,11 +142,11 @@ def gmms(case: headline.ExpertsLayer, chip: str, min_rows: int = 0) -> dict[str,
 
   Gate/up: "blocks" (Qwen: I a multiple of 128, concatenated) is the gated kernel;
   "gate_pass" (gpt-oss at decode: interleaved columns) the plain kernel with a float32
-  [S, 2I] out, gated by a second pass (`ragged_dot.gate_pass`, the glue part "gate");
-  "lanes" (gpt-oss at
-  prefill) the gated kernel that de-interleaves its accumulator. The "split" route
-  (concatenated halves off the lane grid, at prefill: an XLA copy of the weights into
-  gate and up, then the gated kernel; no case here) is not modelled: NotImplementedError."""
+  [S, 2I] out, gated by a second pass (`ragged_dot.gate_pass`, the glue part "gate"); "lanes"
+  (gpt-oss at prefill) the gated kernel that de-interleaves its accumulator. The "split"
+  route (concatenated halves off the lane grid, at prefill: an XLA copy of the weights
+  into gate and up, then the gated kernel; no case here) is not modelled:
+  NotImplementedError."""
   hit = min(case.experts, case.rows)
   m = max(case.rows, min_rows)
   common = dict(groups=case.experts, chip=chip, dtype=case.dtype, hit=hit)
@@ -185,12 +185,21 @@ def _kernel_part(gmm: RoutedGmm, case: headline.ExpertsLayer, rate_gmm: Callable
               tiling=r["tiling"], probe_table=dict(hit=table.hit, rows_per_expert=table.rows))
 
 
-def glue_programs(case: headline.ExpertsLayer,
-                  chip: str) -> dict[str, tuple[Callable, list, int]]:
+class GluePart(NamedTuple):
+  """A glue program of the layer. `min_bytes`: what it must move at least, counted where
+  cost_analysis cannot (a Pallas kernel's own bytes, the route's at decode, the combine's
+  row DMAs, the gate pass, are not in XLA's "bytes accessed" of the custom call).
+  `kernel_fed`: a kernel of the layer reads its outputs (`_compile_glue`)."""
+  fn: Callable
+  specs: list
+  min_bytes: int
+  kernel_fed: bool
+
+
+def glue_programs(case: headline.ExpertsLayer, chip: str) -> dict[str, GluePart]:
   """route, combine (and gpt-oss's gate pass at decode) as moe_experts calls them on the
-  chip: (function, argument specs, the bytes it must move at least). The last counts where
-  cost_analysis cannot: a Pallas kernel's own bytes (the route's at decode, the combine's
-  row DMAs, the gate pass) are not in XLA's "bytes accessed" of the custom call."""
+  chip. The route's rows go to gate/up and the gate pass's to down; the combine's result
+  is the layer's."""
   dt = jnp.dtype(case.dtype)
   s = case.rows
   route = lambda hidden, ids: moe.route(hidden, ids, case.experts, chip=chip)
@@ -200,20 +209,20 @@ def glue_programs(case: headline.ExpertsLayer,
   route_bytes = ((case.tokens + s) * case.hidden * dt.itemsize   # hidden in, rows out
                  + s * (4 + 4) + case.experts * 4)               # ids, pos, group sizes
   programs = {
-      "route (sort, group sizes, gather)": (route, [
+      "route (sort, group sizes, gather)": GluePart(route, [
           jax.ShapeDtypeStruct((case.tokens, case.hidden), dt),
-          jax.ShapeDtypeStruct((case.tokens, case.top_k), jnp.int32)], route_bytes),
-      "combine (weights, unsort, sum over top-k)": (combine, [
+          jax.ShapeDtypeStruct((case.tokens, case.top_k), jnp.int32)], route_bytes, True),
+      "combine (weights, unsort, sum over top-k)": GluePart(combine, [
           aot.RowMajor((s, case.hidden), jnp.float32),              # the down kernel's out
           jax.ShapeDtypeStruct((s,), jnp.int32),
-          jax.ShapeDtypeStruct((case.tokens, case.top_k), dt)], combine_bytes),
+          jax.ShapeDtypeStruct((case.tokens, case.top_k), dt)], combine_bytes, False),
   }
   if gate_up_route(case) == "gate_pass":   # ragged_dot._forward's gating after the kernel
     epilogue = R.Epilogue(activation=case.activation, gated=True)
     gate = lambda z: R.gate_pass(z, case.layout, epilogue, dt, chip)
     gate_bytes = s * 2 * case.width * 4 + s * case.width * dt.itemsize   # z in, gated out
-    programs["gate (after the gate/up kernel)"] = (gate, [
-        jax.ShapeDtypeStruct((s, 2 * case.width), jnp.float32)], gate_bytes)
+    programs["gate (after the gate/up kernel)"] = GluePart(gate, [
+        jax.ShapeDtypeStruct((s, 2 * case.width), jnp.float32)], gate_bytes, True)
   return programs
 
 
@@ -285,10 +294,6 @@ def glue_cost_analysis(fn, specs, chip: str, min_bytes: int = 0,
                      "no per-op cost): the static estimator aborts on this part")
 
 
-# The glue parts whose outputs a kernel of the layer reads (`_compile_glue`'s kernel_fed).
-KERNEL_FED = ("route", "gate")
-
-
 def rate_part(case: headline.ExpertsLayer, chip: str, part: str, fallback: bool) -> dict:
   """One part of the layer (in a child: the estimator may abort the process)."""
   import estimate   # here, not at import: estimate.py imports this module
@@ -299,9 +304,9 @@ def rate_part(case: headline.ExpertsLayer, chip: str, part: str, fallback: bool)
       rated["method"] += (f"; rated at {gmm.m} rows (the estimator aborts on this chip at "
                           f"{case.rows})")
     return rated
-  fn, specs, min_bytes = glue_programs(case, chip)[part]
+  glue = glue_programs(case, chip)[part]
   rate_glue = glue_cost_analysis if fallback else _glue_part
-  return rate_glue(fn, specs, chip, min_bytes, kernel_fed=part.startswith(KERNEL_FED))
+  return rate_glue(glue.fn, glue.specs, chip, glue.min_bytes, glue.kernel_fed)
 
 
 PART_TIMEOUT_S = 900

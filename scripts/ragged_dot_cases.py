@@ -101,15 +101,17 @@ class Program:
     weight_bytes = md.experts * self.k * self.n_full * jnp.dtype(self.weight_dtype).itemsize
     return R.gate_up_route(self.m, self.n_full, md.layout, weight_bytes)
 
-  @property
-  def num_kernels(self) -> int:
-    """Mosaic kernels: forward 1, and 1 more for interleaved gate / up on the "gate_pass"
-    route (its gating pass, `ragged_dot.gate_pass`, is a kernel of its own); backward adds
-    d_lhs and d_rhs, and for the gated projection the recomputed pre-activation z (the
-    epilogue's derivative needs it). When the forward kernel already is that z (gated
+  def num_kernels(self, chip: str) -> int:
+    """Mosaic kernels: forward 1, and 1 more where the "gate_pass" route gates by a kernel
+    of its own (`ragged_dot.gate_pass_rows`: interleaved columns within VMEM); backward
+    adds d_lhs and d_rhs, and for the gated projection the recomputed pre-activation z
+    (the epilogue's derivative needs it). When the forward kernel already is that z (gated
     after it), the recompute is the same pallas_call again: XLA does not merge the two
     custom calls, so it still counts."""
-    forward = 1 + (self.gate_up_route == "gate_pass" and self.model.layout == "interleaved")
+    gate_kernel = self.gate_up_route == "gate_pass" and R.gate_pass_rows(
+        self.m, self.model.width, self.model.layout,
+        jnp.dtype(self.out_dtype or self.dtype), chip) is not None
+    forward = 1 + gate_kernel
     if self.direction == "fwd":
       return forward
     return forward + 2 + (1 if self.gated else 0)

@@ -132,7 +132,9 @@ def route(hidden: jax.Array, top_k_index: jax.Array, num_experts: int, *,
   At decode one Pallas kernel computes pos and the group sizes without a sort, and gathers
   the rows too (`moe_route.route_rows`; where its VMEM plan does not fit,
   `moe_route.route_indices` and XLA's gather); elsewhere XLA's stable argsort sorts, and a
-  second argsort inverts it. All give the same order and the same rows, bit for bit."""
+  second argsort inverts it. All give the same order and the same rows, bit for bit, with
+  route_rows' two caveats (its module docstring): in interpret mode a bfloat16 NaN keeps
+  no payload, and whether the chip keeps a denormal bfloat16 is not checked here."""
   tokens, top_k = top_k_index.shape
   if moe_route.fits_rows(tokens, top_k, num_experts, hidden.shape[1], hidden.dtype, chip):
     return moe_route.route_rows(hidden, top_k_index, num_experts, interpret=interpret)

@@ -70,15 +70,30 @@ def _padded(tokens: int, top_k: int, num_experts: int) -> tuple[int, int, int]:
           vmem.round_up(tokens * top_k, 128))
 
 
-def fits(tokens: int, top_k: int, num_experts: int, chip: str) -> bool:
-  """Whether route_indices applies: 1 <= T <= MAX_TOKENS, 1 <= K <= 256, and its VMEM plan
-  (the K hit matrices, four [E', T'] sums, the [T', T'] and [E', E'] triangles, and a spread
-  and a placed matrix [T', S'], all float32) within the chip's budget."""
-  if not (1 <= tokens <= MAX_TOKENS and 1 <= top_k <= 256):
-    return False
+def _shape_ok(tokens: int, top_k: int) -> bool:
+  """The shapes both kernels take: 1 <= T <= MAX_TOKENS, 1 <= K <= 256."""
+  return 1 <= tokens <= MAX_TOKENS and 1 <= top_k <= 256
+
+
+def _check_shape(name: str, tokens: int, top_k: int) -> None:
+  if not _shape_ok(tokens, top_k):
+    raise ValueError(f"{name} takes 1 <= T <= {MAX_TOKENS} and 1 <= K <= 256, got "
+                     f"[{tokens}, {top_k}]")
+
+
+def _indices_plan(tokens: int, top_k: int, num_experts: int) -> int:
+  """VMEM bytes of the sort both kernels share: the K hit matrices, four [E', T'] sums,
+  the [T', T'] and [E', E'] triangles, and a spread and a placed matrix [T', S'], all
+  float32."""
   tp, ep, sp = _padded(tokens, top_k, num_experts)
-  plan = 4 * ((top_k + 4) * ep * tp + tp * tp + ep * ep + 2 * tp * sp)
-  return plan <= vmem.vmem_budget(chips.get_chip(chip), None)
+  return 4 * ((top_k + 4) * ep * tp + tp * tp + ep * ep + 2 * tp * sp)
+
+
+def fits(tokens: int, top_k: int, num_experts: int, chip: str) -> bool:
+  """Whether route_indices applies: its shapes (`_shape_ok`) and its VMEM plan within the
+  chip's budget."""
+  return (_shape_ok(tokens, top_k) and _indices_plan(tokens, top_k, num_experts)
+          <= vmem.vmem_budget(chips.get_chip(chip), None))
 
 
 def _nt(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -189,9 +204,7 @@ def route_indices(top_k_index: jax.Array, num_experts: int, *,
     raise ValueError(f"top_k_index must be [T, K] integer, got {top_k_index.shape} "
                      f"{top_k_index.dtype}")
   tokens, top_k = top_k_index.shape
-  if not (1 <= tokens <= MAX_TOKENS and 1 <= top_k <= 256):
-    raise ValueError(f"route_indices takes 1 <= T <= {MAX_TOKENS} and 1 <= K <= 256, got "
-                     f"[{tokens}, {top_k}]")
+  _check_shape("route_indices", tokens, top_k)
   whole = pl.BlockSpec(memory_space=pltpu.VMEM)
   pairs = tokens * top_k
   pos, src, sizes = pl.pallas_call(
@@ -217,12 +230,11 @@ def _rows_plan(tokens: int, top_k: int, num_experts: int, hidden: int, dtype) ->
 
 
 def fits_rows(tokens: int, top_k: int, num_experts: int, hidden: int, dtype, chip: str) -> bool:
-  """Whether route_rows applies: route_indices does (`fits`), hidden is float32 or
-  bfloat16, and both plans fit the chip's VMEM budget together."""
-  if jnp.dtype(dtype) not in _BYTE_SHIFTS or not fits(tokens, top_k, num_experts, chip):
+  """Whether route_rows applies: route_indices' shapes, hidden float32 or bfloat16, and
+  both plans within the chip's VMEM budget together (so it implies `fits`)."""
+  if jnp.dtype(dtype) not in _BYTE_SHIFTS or not _shape_ok(tokens, top_k):
     return False
-  tp, ep, sp = _padded(tokens, top_k, num_experts)
-  plan = (4 * ((top_k + 4) * ep * tp + tp * tp + ep * ep + 2 * tp * sp)
+  plan = (_indices_plan(tokens, top_k, num_experts)
           + _rows_plan(tokens, top_k, num_experts, hidden, dtype))
   return plan <= vmem.vmem_budget(chips.get_chip(chip), None)
 
@@ -241,10 +253,7 @@ def route_rows(hidden: jax.Array, top_k_index: jax.Array, num_experts: int, *,
     raise ValueError(f"top_k_index must be [{tokens}, K], got {top_k_index.shape}")
   if jnp.dtype(hidden.dtype) not in _BYTE_SHIFTS:
     raise ValueError(f"route_rows gathers float32 or bfloat16 rows, got {hidden.dtype}")
-  top_k = top_k_index.shape[1]
-  if not (1 <= tokens <= MAX_TOKENS and 1 <= top_k <= 256):
-    raise ValueError(f"route_rows takes 1 <= T <= {MAX_TOKENS} and 1 <= K <= 256, got "
-                     f"[{tokens}, {top_k}]")
+  _check_shape("route_rows", tokens, top_k_index.shape[1])
   return _route_rows(hidden, top_k_index.astype(jnp.int32), num_experts, interpret)
 
 

@@ -907,11 +907,14 @@ def _gated_halves(z, layout, half, chip):
 _GATE_PASS_ROWS = (64, 32, 16)
 
 
-def _gate_pass_rows(m: int, half: int, out_dtype, chip: str) -> int | None:
+def gate_pass_rows(m: int, half: int, layout: str, out_dtype, chip: str) -> int | None:
   """Rows per step of `gate_pass`'s kernel (all m when fewer: a block of the whole array),
-  or None when not even min(m, 16) fit the chip's VMEM budget. Counted: the double-buffered
-  [rows, 2I] float32 input and [rows, I] output blocks, the two de-interleaved halves and
-  three epilogue temporaries."""
+  or None where gate_pass gates by XLA instead: concatenated halves, or not even
+  min(m, 16) rows within the chip's VMEM budget. Counted: the double-buffered [rows, 2I]
+  float32 input and [rows, I] output blocks, the two de-interleaved halves and three
+  epilogue temporaries."""
+  if layout != "interleaved":
+    return None
   budget = vmem.vmem_budget(chips.get_chip(chip), None)
   width = vmem.lane_padded(half)
   for rows in dict.fromkeys(min(r, m) for r in _GATE_PASS_ROWS):
@@ -931,7 +934,7 @@ def gate_pass(z, layout: str, epilogue: Epilogue, out_dtype, chip: str, interpre
   XLA's 42.1, v5e 18.2 against 39.1 (docs/performance.md).
   Rows of no local group are 0 in z and stay 0: every gated unit maps (0, 0) to 0."""
   m, half = z.shape[0], z.shape[1] // 2
-  rows = _gate_pass_rows(m, half, out_dtype, chip) if layout == "interleaved" else None
+  rows = gate_pass_rows(m, half, layout, out_dtype, chip)
   if rows is None:
     return epilogue(*_gated_halves(z, layout, half, chip)).astype(out_dtype)
 

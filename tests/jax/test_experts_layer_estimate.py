@@ -129,12 +129,12 @@ def test_kernel_fed_glue_takes_no_layout_copy():
   kernel-fed."""
   case = next(c for c in headline.EXPERTS_LAYER
               if c.model == "gpt-oss-20b" and c.tokens == 64)
-  fn, specs, _ = X.glue_programs(case, "v6e")["gate (after the gate/up kernel)"]
-  copies = [" copy(" in X._compile_glue(fn, specs, "v6e", fed)[0].as_text()
+  parts = X.glue_programs(case, "v6e")
+  gate = parts["gate (after the gate/up kernel)"]
+  copies = [" copy(" in X._compile_glue(gate.fn, gate.specs, "v6e", fed)[0].as_text()
             for fed in (False, True)]
   assert copies == [True, False]
-  parts = X.glue_programs(case, "v6e")
-  assert [p for p in parts if p.startswith(X.KERNEL_FED)] == [
+  assert [name for name, p in parts.items() if p.kernel_fed] == [
       "route (sort, group sizes, gather)", "gate (after the gate/up kernel)"]
 
 

@@ -51,9 +51,9 @@ def _check(program, report, chip):
   # merge identical ones): count the matmul kernels.
   matmuls = [n for n in report.kernel_names if R.VISIT_TABLE_KERNEL not in n]
   assert len(report.kernel_names) == report.num_kernels and "?" not in matmuls, report
-  assert len(matmuls) == program.num_kernels, (
+  assert len(matmuls) == program.num_kernels(chip), (
       f"{what}: {len(matmuls)} grouped-matmul kernels {matmuls}, expected "
-      f"{program.num_kernels}")
+      f"{program.num_kernels(chip)}")
   limit = max(t.vmem_limit_bytes for _, t in program.tilings(chip))
   assert report.scoped_vmem_bytes == limit, (
       f"{what}: compiled under {report.scoped_vmem_bytes} bytes of scoped VMEM, "
@@ -155,5 +155,5 @@ def test_backward_program_holds_the_forward_kernel(m):
       configs.append([re.search(r'backend_config = "([^"]*)"', line).group(1)
                       for line in text.splitlines() if "@tpu_custom_call" in line
                       and f'kernel_name = "{R.VISIT_TABLE_KERNEL}"' not in line])
-    assert len(configs[0]) == fwd.num_kernels and len(configs[1]) == bwd.num_kernels
+    assert [len(c) for c in configs] == [fwd.num_kernels("v6e"), bwd.num_kernels("v6e")]
     assert configs[0][0] in configs[1], f"{model} m={m}: forward kernel not in backward"

@@ -422,7 +422,7 @@ def test_gate_pass_matches_float64_reference(m, half, activation, out_dtype):
   z = (rng.standard_normal((m, 2 * half)) * 4).astype(np.float32)
   z[0] = 0.0
   ep = K.Epilogue(activation=activation, gated=True)
-  assert K._gate_pass_rows(m, half, jnp.dtype(out_dtype), "v5e") == min(m, 64)
+  assert K.gate_pass_rows(m, half, "interleaved", jnp.dtype(out_dtype), "v5e") == min(m, 64)
   fn = lambda z: K.gate_pass(z, "interleaved", ep, jnp.dtype(out_dtype), "v5e",
                              interpret=True)
   assert "ragged_dot_gate_pass" in str(jax.make_jaxpr(fn)(z))
@@ -437,7 +437,7 @@ def test_gate_pass_takes_xla_where_no_row_block_fits():
   """A width whose 16-row block overflows the VMEM budget goes to XLA's gate: the same
   values, no kernel."""
   half = 1 << 17
-  assert K._gate_pass_rows(16, half, jnp.dtype("float32"), "v5e") is None
+  assert K.gate_pass_rows(16, half, "interleaved", jnp.dtype("float32"), "v5e") is None
   ep = K.Epilogue(activation="silu", gated=True)
   z = jax.ShapeDtypeStruct((16, 2 * half), jnp.float32)
   fn = lambda z: K.gate_pass(z, "interleaved", ep, jnp.float32, "v5e", interpret=True)
