@@ -198,8 +198,10 @@ def test_every_weight_code_dequantizes_exactly(quant):
                                   f"{quant} {dtype.__name__} transpose_rhs={transpose_rhs}")
 
 
-def test_rows_outside_local_groups_never_leak():
-  """NaN / inf in rows of other groups or past sum(group_sizes) stay out of the results."""
+@pytest.mark.parametrize("block_k", [128, 256])   # two k blocks, the last a tail; one of all k
+def test_rows_outside_local_groups_never_leak(block_k):
+  """NaN / inf in rows of other groups or past sum(group_sizes) stay out of the results,
+  through the float32 accumulator (two k blocks) and without it (one block covers k)."""
   m, k, n = 40, 130, 70
   sizes = np.array([6, 9, 0, 11], np.int32)    # sum 26 < m
   rng = np.random.default_rng(0)
@@ -209,7 +211,7 @@ def test_rows_outside_local_groups_never_leak():
   rhs = rng.standard_normal((2, k, n)).astype(np.float32)
   gs = jnp.asarray(sizes)
   fn = lambda x, w: K.ragged_dot(x, w, gs, group_offset=1, interpret=True, block_m=8,
-                                 block_k=128)
+                                 block_k=block_k)
   out = np.asarray(fn(jnp.asarray(lhs), jnp.asarray(rhs)))
   expected = ref.ragged_dot(np.nan_to_num(lhs, posinf=0.0), rhs, sizes, group_offset=1)
   ref.assert_close(out, expected, ref.RAGGED_TOLERANCE["float32"], "out")
