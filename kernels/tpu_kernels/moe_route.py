@@ -75,10 +75,18 @@ def _shape_ok(tokens: int, top_k: int) -> bool:
   return 1 <= tokens <= MAX_TOKENS and 1 <= top_k <= 256
 
 
-def _check_shape(name: str, tokens: int, top_k: int) -> None:
-  if not _shape_ok(tokens, top_k):
+def _check_ids(name: str, top_k_index: jax.Array, tokens: int | None = None) -> None:
+  """top_k_index must be [T, K] integer ids within `_shape_ok` (and T = `tokens` if given):
+  a float id would otherwise be truncated silently."""
+  if top_k_index.ndim != 2 or not jnp.issubdtype(top_k_index.dtype, jnp.integer):
+    raise ValueError(f"{name}: top_k_index must be [T, K] integer, got {top_k_index.shape} "
+                     f"{top_k_index.dtype}")
+  t, top_k = top_k_index.shape
+  if tokens is not None and t != tokens:
+    raise ValueError(f"{name}: top_k_index must be [{tokens}, K], got {top_k_index.shape}")
+  if not _shape_ok(t, top_k):
     raise ValueError(f"{name} takes 1 <= T <= {MAX_TOKENS} and 1 <= K <= 256, got "
-                     f"[{tokens}, {top_k}]")
+                     f"[{t}, {top_k}]")
 
 
 def _indices_plan(tokens: int, top_k: int, num_experts: int) -> int:
@@ -200,11 +208,8 @@ def route_indices(top_k_index: jax.Array, num_experts: int, *,
   group_sizes [num_experts] int32), as the module docstring defines them: the same as a
   stable argsort of the ids (ids outside [0, num_experts) as num_experts) would give.
   Raises ValueError outside `fits`' shapes (checked without the VMEM plan)."""
-  if top_k_index.ndim != 2 or not jnp.issubdtype(top_k_index.dtype, jnp.integer):
-    raise ValueError(f"top_k_index must be [T, K] integer, got {top_k_index.shape} "
-                     f"{top_k_index.dtype}")
+  _check_ids("route_indices", top_k_index)
   tokens, top_k = top_k_index.shape
-  _check_shape("route_indices", tokens, top_k)
   whole = pl.BlockSpec(memory_space=pltpu.VMEM)
   pairs = tokens * top_k
   pos, src, sizes = pl.pallas_call(
@@ -248,12 +253,10 @@ def route_rows(hidden: jax.Array, top_k_index: jax.Array, num_experts: int, *,
   Differentiable w.r.t. hidden (a custom VJP: a token's row gets the sum of the
   cotangents of its K sorted rows). Raises ValueError outside `fits_rows`' shapes and
   dtypes (checked without the VMEM plan)."""
-  tokens, width = hidden.shape
-  if top_k_index.ndim != 2 or top_k_index.shape[0] != tokens:
-    raise ValueError(f"top_k_index must be [{tokens}, K], got {top_k_index.shape}")
-  if jnp.dtype(hidden.dtype) not in _BYTE_SHIFTS:
-    raise ValueError(f"route_rows gathers float32 or bfloat16 rows, got {hidden.dtype}")
-  _check_shape("route_rows", tokens, top_k_index.shape[1])
+  if hidden.ndim != 2 or jnp.dtype(hidden.dtype) not in _BYTE_SHIFTS:
+    raise ValueError(f"route_rows gathers [T, H] float32 or bfloat16 rows, got "
+                     f"{hidden.shape} {hidden.dtype}")
+  _check_ids("route_rows", top_k_index, hidden.shape[0])
   return _route_rows(hidden, top_k_index.astype(jnp.int32), num_experts, interpret)
 
 

@@ -120,6 +120,8 @@ def test_fits_and_errors():
     moe_route.route_rows(jnp.zeros((4, 128), jnp.float16), jnp.zeros((4, 2), jnp.int32), 8)
   with pytest.raises(ValueError, match=r"\[4, K\]"):
     moe_route.route_rows(jnp.zeros((4, 128)), jnp.zeros((3, 2), jnp.int32), 8)
+  with pytest.raises(ValueError, match="integer"):   # not truncated to ids
+    moe_route.route_rows(jnp.zeros((4, 128)), jnp.full((4, 2), 1.5, jnp.float32), 8)
 
 
 def _lowered_route(tokens: int, dtype=jnp.bfloat16) -> str:
