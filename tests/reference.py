@@ -182,6 +182,18 @@ def _weights(rhs, scale, transpose_rhs):
   return w   # (G_local, k, n)
 
 
+def quantize_rows_int8(x):
+  """Symmetric per-row int8 quantization, from its definition (ragged_dot's lhs_quant):
+  scale = max|row| / 127 in float32 (1 for a zero row), codes = x / scale in float32
+  (IEEE division, as XLA's on CPU) rounded half to even. Returns (codes float64 [m, k],
+  scale float64 [m, 1]): the dequantized lhs is codes * scale."""
+  x32 = np.asarray(x, np.float32)
+  amax = np.abs(x32).max(axis=1, keepdims=True)
+  scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+  codes = np.clip(np.rint(x32 / scale), -127, 127)
+  return codes.astype(np.float64), scale.astype(np.float64)
+
+
 def ragged_pre_activation(lhs, rhs, group_sizes, group_offset=0, transpose_rhs=False,
                           scale=None, bias=None):
   """z (m, n) in float64, zeros for rows of no local group; also the row groups."""

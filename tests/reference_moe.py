@@ -90,11 +90,27 @@ def gate(name, gate_up, *, concatenated=True, alpha=1.702, limit=7.0):
   return activation(name, g) * u
 
 
+def quantize_row_int8(v) -> np.ndarray:
+  """One row through symmetric int8 quantization and back (lhs_quant="int8"), from the
+  definition: scale = max|v| / 127 in float32 (1 for zeros), codes = v / scale in float32
+  rounded half to even; returns codes * scale in float64."""
+  v32 = np.asarray(v, np.float32)
+  amax = np.abs(v32).max(initial=np.float32(0))
+  scale = amax / np.float32(127) if amax > 0 else np.float32(1)
+  return np.clip(np.rint(v32 / scale), -127, 127).astype(np.float64) * np.float64(scale)
+
+
 def moe_experts(hidden, top_k_index, top_k_weights, gate_up_weight, down_weight, *,
                 gate_up_bias=None, down_bias=None, gate_up_scale=None, down_scale=None,
                 num_experts, has_gate=True, is_transposed=False, is_concatenated=True,
-                activation_name="silu", alpha=1.702, limit=7.0):
-  """[T, H] float64: per token, per chosen expert, the expert MLP weighted and summed."""
+                activation_name="silu", alpha=1.702, limit=7.0, lhs_quant=None):
+  """[T, H] float64: per token, per chosen expert, the expert MLP weighted and summed.
+  lhs_quant "int8": the token's row and the expert's h (rounded to hidden's dtype first, as
+  the op hands it on) go through `quantize_row_int8` before their projections."""
+  h_dtype = np.float32 if "float32" in str(hidden.dtype) else np.dtype("bfloat16") \
+      if "bfloat16" in str(hidden.dtype) else hidden.dtype   # numpy or torch input
+  requant = (lambda v: quantize_row_int8(np.asarray(v).astype(h_dtype))) if lhs_quant \
+      else (lambda v: v)
   x, idx, wts = f64(hidden), np.asarray(top_k_index, np.int64), f64(top_k_weights)
   # Weights as [E, in, out] (the orientation `x @ w` wants).
   gu = dequantize(gate_up_weight, gate_up_scale, transposed_out_last=is_transposed)
@@ -107,14 +123,14 @@ def moe_experts(hidden, top_k_index, top_k_weights, gate_up_weight, down_weight,
       e = idx[t, k]
       if not 0 <= e < num_experts:
         continue
-      a = x[t] @ gu[e]
+      a = requant(x[t]) @ gu[e]
       if gate_up_bias is not None:
         a = a + f64(gate_up_bias)[e]
       if has_gate:
         h = gate(activation_name, a, concatenated=is_concatenated, alpha=alpha, limit=limit)
       else:
         h = activation(activation_name, a)
-      y = h @ dn[e]
+      y = requant(h) @ dn[e]
       if down_bias is not None:
         y = y + f64(down_bias)[e]
       out[t] += wts[t, k] * y

@@ -30,7 +30,9 @@ Weight layouts (Transformers' experts modules):
   is_concatenated: gate = first I columns of 2I, up = last I; False: interleaved
   (gate = even, up = odd columns, as gpt-oss stores them).
 Quantized weights (int8 / float8_e4m3fn) come with per-output-channel float32 scales
-(gate_up_scale [E, 2I], down_scale [E, H]) and are dequantized inside the kernel.
+(gate_up_scale [E, 2I], down_scale [E, H]) and are dequantized inside the kernel. With int8
+weights, `lhs_quant="int8"` also quantizes the rows fed to both projections (x, then h) per
+row and multiplies int8 by int8 (`ragged_dot`'s lhs_quant: inference only).
 
 Differentiable with jax.vjp w.r.t. hidden, top_k_weights, float weights and biases
 (top_k_index is integer and is not). Quantized weights are frozen: no gradient.
@@ -57,7 +59,7 @@ def moe_experts(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Ar
                 num_experts: int, has_gate: bool = True, is_transposed: bool = False,
                 is_concatenated: bool = True, activation: str = "silu", alpha: float = 1.702,
                 limit: float = 7.0, chip: str = chips.DEFAULT_CHIP,
-                interpret: bool = False) -> jax.Array:
+                interpret: bool = False, lhs_quant: str | None = None) -> jax.Array:
   """The experts block of an MoE layer: sum_k w[t, k] * expert_{idx[t, k]}(hidden[t]).
 
   Args:
@@ -74,6 +76,8 @@ def moe_experts(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Ar
     num_experts: E.
     activation: one of GATED_ACTIVATIONS (the clamped gates "gpt_oss" and "clamped_silu"
       need has_gate; alpha is gpt_oss's, limit the clamp of both).
+    lhs_quant: None, or "int8" with int8 weights: both projections take their rows as
+      int8 codes with per-row scales (`ragged_dot.quantize_rows`); no gradient.
   Returns:
     [T, H] in hidden's dtype.
   """
@@ -93,6 +97,7 @@ def moe_experts(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Ar
   if activation not in ragged_dot.SUPPORTED_ACTIVATIONS and not has_gate:
     raise ValueError(f"activation {activation!r} needs a gate (has_gate=True)")
   kernel_args = dict(chip=chip, interpret=interpret)
+  gmm_args = dict(kernel_args, lhs_quant=lhs_quant)
 
   x, pos, group_sizes = route(hidden, top_k_index, num_experts, **kernel_args)  # 1-4
 
@@ -102,16 +107,16 @@ def moe_experts(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Ar
         x, gate_up_weight, group_sizes, activation=activation,
         layout="concatenated" if is_concatenated else "interleaved", alpha=alpha, limit=limit,
         transpose_rhs=not is_transposed, rhs_scale=gate_up_scale, bias=gate_up_bias,
-        **kernel_args)                                                   # [S, I]
+        **gmm_args)                                                      # [S, I]
   else:
     h = ragged_dot.ragged_dot(
         x, gate_up_weight, group_sizes, activation=activation, transpose_rhs=not is_transposed,
-        rhs_scale=gate_up_scale, bias=gate_up_bias, **kernel_args)        # [S, I]
+        rhs_scale=gate_up_scale, bias=gate_up_bias, **gmm_args)           # [S, I]
 
   # 6. down projection, kept in float32 for the weighted sum.
   y = ragged_dot.ragged_dot(h, down_weight, group_sizes, transpose_rhs=not is_transposed,
                             rhs_scale=down_scale, bias=down_bias, out_dtype=jnp.float32,
-                            **kernel_args)                               # [S, H] f32
+                            **gmm_args)                                  # [S, H] f32
   if y.shape[1] != hidden_size:
     raise ValueError(f"down_weight produces width {y.shape[1]}, hidden has {hidden_size}")
 

@@ -23,6 +23,19 @@ Backward (first order), with dz = g * epilogue'(z) (z recomputed, not stored):
 
 Quantized weights are frozen: they and their scales get no gradient.
 
+Quantized activations (`lhs_quant="int8"`, int8 weights only; inference, no gradient):
+lhs is quantized per row, symmetric, before the kernel (`quantize_rows`: scale_r =
+max|lhs[r]| / 127, codes round(lhs[r] / scale_r)), and the kernel multiplies int8 codes
+on the MXU with an int32 accumulator (exact), then
+
+    z[r, :] = (codes[r, :] @ W_i) * scale_r * scale_i + bias_i
+
+This is tpu-inference's dynamic per-token activation quantization (its quantized_matmul's
+x_q_dtype). It spares the int8 -> bf16 widening of every weight block, which keeps a
+decode visit compute-bound on v6e (docs/performance.md, "Quantized decode"), and doubles
+the MXU's rate at prefill. The error is the activations' rounding: at most scale_r / 2 per
+element of lhs, documented in `quantize_rows`.
+
 Layout (forward, `_gmm`). The grid is (n tiles, visits, k tiles). A *visit* is one
 (row tile, group) pair: a row tile of block_m rows that spans a group boundary is
 visited once per group in it, and the kernel stores only the rows of the visited
@@ -326,8 +339,8 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
                block_n=None, vmem_limit_bytes=None, interleaved=False) -> Tiling:
   """Tiles of the forward kernel: out (m, n) per rhs operand from lhs (m, k).
 
-  VMEM plan: double-buffered lhs, rhs (x num_rhs), out, scale and bias blocks, the f32
-  accumulators, and f32 temporaries (dot result, epilogue). With no block or limit given,
+  VMEM plan: double-buffered lhs, rhs (x num_rhs), out, scale and bias blocks (and an int8
+  lhs's row scales), the f32 accumulators, and f32 temporaries (dot result, epilogue). With no block or limit given,
   the tuning table's blocks (`tuned_blocks`) when the call's bucket has an entry the kernel
   accepts (the scoped-VMEM limit is raised to its plan if need be, up to the chip's
   maximum); otherwise the heuristic (`_best_blocks`). `n_must_divide`: block_n must divide
@@ -353,6 +366,8 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
       total += 2 * bm_p * bn_p * 4
     if quantized:
       total += num_rhs * vmem.round_up(bk, 8) * bn_p * lb    # dequantised weight block
+    if lb == 1:   # int8 lhs (lhs_quant): its [bm, 1] float32 row scales, lane-padded
+      total += 2 * bm_p * vmem.lane_padded(1) * 4
     return total
 
   k_cands = _lane_block_candidates(k, block_k, None)
@@ -608,14 +623,18 @@ def _deinterleave_lanes(z):
 
 def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has_scale, has_bias,
                 transpose_rhs, k_rem, mask_in_f32, block_m, epilogue, compute_dtype,
-                interleaved=False, single_k=False):
+                interleaved=False, single_k=False, has_lhs_scale=False):
   rhs_refs = refs[:num_rhs]
   refs = refs[num_rhs:]
   scale_refs = refs[:num_rhs] if has_scale else ()
   refs = refs[num_rhs if has_scale else 0:]
   bias_refs = refs[:num_rhs] if has_bias else ()
   refs = refs[num_rhs if has_bias else 0:]
+  lhs_scale_ref = refs[0] if has_lhs_scale else None   # [bm, 1] float32, int8 lhs only
+  refs = refs[1 if has_lhs_scale else 0:]
   out_ref, acc_refs = refs[0], refs[1:]
+  # int8 lhs (`lhs_quant`): int8 x int8 products in int32, exact, converted in the epilogue.
+  acc_dtype = jnp.int32 if has_lhs_scale else jnp.float32
 
   j, v, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   last_k = pl.num_programs(2) - 1
@@ -623,7 +642,7 @@ def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has
   real = group < num_local_groups
 
   def products(masked):
-    """lhs block @ each weight block, float32 [bm, wn] each."""
+    """lhs block @ each weight block, [bm, wn] each in acc_dtype."""
     x = lhs_ref[...]
     if masked:
       x = _mask_k_tail(x, 1, k_rem, mask_in_f32)
@@ -642,7 +661,7 @@ def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has
       if masked:
         w = _mask_k_tail(w, 1 if transpose_rhs else 0, k_rem, mask_in_f32)
       dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-      out.append(jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32))
+      out.append(jax.lax.dot_general(x, w, dims, preferred_element_type=acc_dtype))
     return out
 
   if not single_k:
@@ -676,6 +695,9 @@ def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has
       zs = []
       sums = products(bool(k_rem)) if single_k else [acc[...] for acc in acc_refs]
       for i, z in enumerate(sums):
+        z = z.astype(jnp.float32)
+        if has_lhs_scale:
+          z = z * lhs_scale_ref[...]
         if has_scale:
           z = z * scale_refs[i][...].astype(jnp.float32)
         if has_bias:
@@ -737,11 +759,12 @@ class _Static:
   block_n: int | None
   vmem_limit_bytes: int | None
   interpret: bool
+  lhs_quant: str | None = None   # "int8": lhs quantized per row (`quantize_rows`)
 
 
 def _gmm(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, *, n_out,
          transpose_rhs, epilogue, out_dtype, tiling_n_divides, st: _Static,
-         interleaved=False):
+         interleaved=False, lhs_scale=None):
   """One forward pallas_call. rhs_ops: [(array, n block offset)], 1 or 2 of them (gate, up);
   scale_ops / bias_ops: the same for [G, N] arrays, or empty. `interleaved`: one weight
   whose 2 * n_out columns alternate gate, up (the gated epilogue de-interleaves them)."""
@@ -756,15 +779,16 @@ def _gmm(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, *, n_out,
   return _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t,
                    n_out=n_out, transpose_rhs=transpose_rhs, epilogue=epilogue,
                    out_dtype=out_dtype, chip=st.chip, interpret=st.interpret,
-                   interleaved=interleaved)
+                   interleaved=interleaved, lhs_scale=lhs_scale)
 
 
 def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: Tiling, *,
               n_out, transpose_rhs, epilogue, out_dtype, chip, interpret, num_visits=None,
-              interleaved=False):
+              interleaved=False, lhs_scale=None):
   """`interleaved`: rhs_ops is one weight of 2 * n_out interleaved gate/up columns; each
   n tile j reads its columns [2 j bn, 2 (j + 1) bn) (and those of scale and bias) into one
-  [bm, 2 bn] accumulator, and the epilogue de-interleaves it (`_deinterleave_lanes`)."""
+  [bm, 2 bn] accumulator, and the epilogue de-interleaves it (`_deinterleave_lanes`).
+  `lhs_scale`: [m, 1] float32 row scales of an int8 lhs (`quantize_rows`), else None."""
   m, k = lhs.shape
   g_local = rhs_ops[0][0].shape[0]
   bm, bk, bn = t.block_m, t.block_k, t.block_n
@@ -808,12 +832,16 @@ def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: T
   as_rows = lambda a: a.reshape(a.shape[0], 1, a.shape[-1])   # [G, N] -> [G, 1, N]
   operands = ([lhs] + [a for a, _ in rhs_ops] + [as_rows(a) for a, _ in scale_ops] +
               [as_rows(a) for a, _ in bias_ops])
+  if lhs_scale is not None:   # the row scales of lhs's row tile
+    in_specs.append(pl.BlockSpec((bm, 1), lambda j, v, kk, tab: (tab[_LHS_TILE * num_v + v], 0)))
+    operands.append(lhs_scale)
   kernel = functools.partial(
       _gmm_kernel, num_v=num_v, num_local_groups=g_local, num_rhs=len(rhs_ops),
       has_scale=bool(scale_ops), has_bias=bool(bias_ops), transpose_rhs=transpose_rhs,
       k_rem=k % bk, mask_in_f32=masking.selects_in_f32(chip), block_m=bm,
       epilogue=epilogue, compute_dtype=lhs.dtype,
-      interleaved=interleaved, single_k=single_k)
+      interleaved=interleaved, single_k=single_k, has_lhs_scale=lhs_scale is not None)
+  acc_dtype = jnp.int32 if lhs_scale is not None else jnp.float32
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -821,7 +849,7 @@ def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: T
           grid=(pl.cdiv(n_out, bn), visits, tiles_k),
           in_specs=in_specs,
           out_specs=pl.BlockSpec((bm, bn), lambda j, v, kk, tab: (tab[_TILE * num_v + v], j)),
-          scratch_shapes=[] if single_k else [pltpu.VMEM((bm, wn), jnp.float32)
+          scratch_shapes=[] if single_k else [pltpu.VMEM((bm, wn), acc_dtype)
                                               for _ in rhs_ops]),
       out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),
       compiler_params=pltpu.CompilerParams(
@@ -987,14 +1015,42 @@ def gate_up_route(m: int, n_full: int, layout: str, weight_bytes: int) -> str:
   return "lanes" if layout == "interleaved" else "split"
 
 
+LHS_QUANTS = ("int8",)
+_INT8_MAX = 127
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Symmetric per-row int8 quantization (`lhs_quant="int8"`): x [m, k] float32 /
+  bfloat16 -> (codes int8 [m, k], scale float32 [m, 1]) with x ~ codes * scale.
+
+  scale[r] = max_j |x[r, j]| / 127 (1 for a row of zeros), codes = x / scale rounded half
+  to even, in [-127, 127]: each element is off by at most scale[r] / 2 (and the float32
+  rounding of the division). A row holding an inf or a NaN gets a NaN scale, so its
+  output comes out NaN, never a finite wrong value."""
+  x = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+  # NaN iff the row holds an inf or a NaN (a max may drop a NaN: XLA:CPU's does), else 0.
+  # A sum beside the max is one reduction fusion: 3 XLA ops in all, where an isfinite mask
+  # made 4 (v6e's static estimate at [64, 768]: 7,241 against 9,713 cycles).
+  poison = jnp.sum(x * 0.0, axis=1, keepdims=True)
+  scale = jnp.where(amax > 0, amax / _INT8_MAX, 1.0)
+  codes = jnp.clip(jnp.round(x / scale), -_INT8_MAX, _INT8_MAX)
+  return codes.astype(jnp.int8), scale + poison
+
+
 def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
-             epilogue=None, out_dtype=None):
-  """The fused forward: epilogue(lhs @ W * scale + bias) per group, [m, n_out]."""
+             epilogue=None, out_dtype=None, lhs_scale=None):
+  """The fused forward: epilogue(lhs @ W * scale + bias) per group, [m, n_out].
+  With st.lhs_quant, lhs is quantized here (`quantize_rows`) unless it already is
+  (int8 codes with their lhs_scale [m, 1])."""
   epilogue = st.epilogue if epilogue is None else epilogue
   out_dtype = jnp.dtype(st.out_dtype if out_dtype is None else out_dtype)
+  if st.lhs_quant and lhs_scale is None:
+    lhs, lhs_scale = quantize_rows(lhs)
   n_axis = 1 if st.transpose_rhs else 2
   n_full = rhs.shape[n_axis]
-  common = dict(transpose_rhs=st.transpose_rhs, epilogue=epilogue, out_dtype=out_dtype, st=st)
+  common = dict(transpose_rhs=st.transpose_rhs, epilogue=epilogue, out_dtype=out_dtype, st=st,
+                lhs_scale=lhs_scale)
   if not epilogue.gated:
     return _gmm(lhs, [(rhs, 0)], [] if scale is None else [(scale, 0)],
                 [] if bias is None else [(bias, 0)], group_sizes, group_offset,
@@ -1010,10 +1066,11 @@ def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
     ops = lambda a: [] if a is None else [(a, 0), (a, up)]
     return _gmm_call(lhs, ops(rhs), ops(scale), ops(bias), group_sizes, group_offset, t,
                      n_out=half, transpose_rhs=st.transpose_rhs, epilogue=epilogue,
-                     out_dtype=out_dtype, chip=st.chip, interpret=st.interpret)
+                     out_dtype=out_dtype, chip=st.chip, interpret=st.interpret,
+                     lhs_scale=lhs_scale)
   if route == "gate_pass":
     z = _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st, epilogue=Epilogue(),
-                 out_dtype=jnp.float32)
+                 out_dtype=jnp.float32, lhs_scale=lhs_scale)
     return gate_pass(z, st.layout, epilogue, out_dtype, st.chip, st.interpret)
   if route == "lanes":
     ops = lambda a: [] if a is None else [(a, 0)]
@@ -1049,6 +1106,10 @@ def _ragged_dot_fwd(lhs, rhs, scale, bias, group_sizes, group_offset, st):
 
 
 def _ragged_dot_bwd(st, saved, g):
+  if st.lhs_quant:
+    raise NotImplementedError(
+        f"lhs_quant={st.lhs_quant!r} is inference only: rounding the activations has no "
+        "gradient (use lhs_quant=None to differentiate)")
   lhs, rhs, scale, bias, group_sizes, group_offset = saved
   ep = st.epilogue
   m = lhs.shape[0]
@@ -1099,7 +1160,8 @@ _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
 # ----------------------------------------------------------------------------- JAX API
 
 
-def _check(lhs, rhs, group_sizes, rhs_scale, bias, transpose_rhs, out_dtype, n_full):
+def _check(lhs, rhs, group_sizes, rhs_scale, bias, transpose_rhs, out_dtype, n_full,
+           lhs_quant=None):
   if lhs.ndim != 2:
     raise ValueError(f"lhs must be 2-D (m, k), got shape {lhs.shape}")
   if rhs.ndim != 3:
@@ -1136,6 +1198,12 @@ def _check(lhs, rhs, group_sizes, rhs_scale, bias, transpose_rhs, out_dtype, n_f
       raise TypeError(f"{name} must be float32 or bfloat16, got {a.dtype}")
   if out_dtype is not None and jnp.dtype(out_dtype) not in FLOAT_DTYPES:
     raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+  if lhs_quant is not None:
+    if lhs_quant not in LHS_QUANTS:
+      raise ValueError(f"lhs_quant must be None or one of {LHS_QUANTS}, got {lhs_quant!r}")
+    if rhs.dtype != jnp.int8:
+      raise TypeError(f"lhs_quant={lhs_quant!r} multiplies int8 codes on the MXU: rhs must "
+                      f"be int8 with rhs_scale, got {rhs.dtype}")
 
 
 def _run(lhs, rhs, group_sizes, group_offset, rhs_scale, bias, st, n_out):
@@ -1149,7 +1217,7 @@ def _run(lhs, rhs, group_sizes, group_offset, rhs_scale, bias, st, n_out):
 def ragged_dot(lhs, rhs, group_sizes, *, group_offset=0, transpose_rhs=False, rhs_scale=None,
                bias=None, activation=None, out_dtype=None, chip=chips.DEFAULT_CHIP,
                block_m=None, block_k=None, block_n=None, vmem_limit_bytes=None,
-               interpret=False):
+               interpret=False, lhs_quant=None):
   """Grouped matmul: rows of group g times rhs[g - group_offset], differentiable.
 
   Args:
@@ -1164,21 +1232,23 @@ def ragged_dot(lhs, rhs, group_sizes, *, group_offset=0, transpose_rhs=False, rh
     rhs_scale: (G_local, n) per-output-channel scale of quantized rhs.
     bias: (G_local, n), added after the scale.
     activation: None or one of SUPPORTED_ACTIVATIONS, applied in the kernel's epilogue.
-    out_dtype: f32 / bf16, default lhs.dtype. Accumulation is always f32.
+    out_dtype: f32 / bf16, default lhs.dtype. Accumulation is f32 (int32 with lhs_quant).
     chip: tiles and VMEM limit for "v5e", "v6e", "v5p" or "v7".
     block_m, block_k, block_n, vmem_limit_bytes: override the chosen tiling.
     interpret: run in Pallas interpret mode (CPU).
+    lhs_quant: None, or "int8" with int8 rhs: lhs quantized per row (`quantize_rows`) and
+      multiplied as int8 codes (inference only: no gradient; the module docstring).
   Returns:
     (m, n) in out_dtype.
   """
   n_full = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  _check(lhs, rhs, group_sizes, rhs_scale, bias, transpose_rhs, out_dtype, n_full)
+  _check(lhs, rhs, group_sizes, rhs_scale, bias, transpose_rhs, out_dtype, n_full, lhs_quant)
   if activation is not None and activation not in SUPPORTED_ACTIVATIONS:
     raise ValueError(f"activation must be None or one of {SUPPORTED_ACTIVATIONS}, "
                      f"got {activation!r}")
   st = _Static(bool(transpose_rhs), Epilogue(activation=activation), "concatenated",
                jnp.dtype(out_dtype or lhs.dtype).name, chip, block_m, block_k, block_n,
-               vmem_limit_bytes, bool(interpret))
+               vmem_limit_bytes, bool(interpret), lhs_quant)
   chips.get_chip(chip)
   return _run(lhs, rhs, group_sizes, group_offset, rhs_scale, bias, st, n_full)
 
@@ -1187,7 +1257,7 @@ def gated_ragged_dot(lhs, rhs, group_sizes, *, activation="silu", layout="concat
                      alpha=1.702, limit=7.0, group_offset=0, transpose_rhs=False,
                      rhs_scale=None, bias=None, out_dtype=None, chip=chips.DEFAULT_CHIP,
                      block_m=None, block_k=None, block_n=None, vmem_limit_bytes=None,
-                     interpret=False):
+                     interpret=False, lhs_quant=None):
   """Gated MoE up-projection: act(z_gate) * z_up, with z = lhs @ W (+ bias) per group.
 
   The gate/up product is formed in the kernel's epilogue, so the (m, 2I) projection
@@ -1200,7 +1270,7 @@ def gated_ragged_dot(lhs, rhs, group_sizes, *, activation="silu", layout="concat
   Other arguments as in `ragged_dot`. Returns (m, I) in out_dtype.
   """
   n_full = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  _check(lhs, rhs, group_sizes, rhs_scale, bias, transpose_rhs, out_dtype, n_full)
+  _check(lhs, rhs, group_sizes, rhs_scale, bias, transpose_rhs, out_dtype, n_full, lhs_quant)
   if activation not in GATED_ACTIVATIONS:
     raise ValueError(f"activation must be one of {GATED_ACTIVATIONS}, got {activation!r}")
   if layout not in LAYOUTS:
@@ -1211,6 +1281,6 @@ def gated_ragged_dot(lhs, rhs, group_sizes, *, activation="silu", layout="concat
                Epilogue(activation=activation, gated=True, alpha=float(alpha),
                         limit=float(limit)),
                layout, jnp.dtype(out_dtype or lhs.dtype).name, chip, block_m, block_k,
-               block_n, vmem_limit_bytes, bool(interpret))
+               block_n, vmem_limit_bytes, bool(interpret), lhs_quant)
   chips.get_chip(chip)
   return _run(lhs, rhs, group_sizes, group_offset, rhs_scale, bias, st, n_full // 2)

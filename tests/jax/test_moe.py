@@ -137,6 +137,41 @@ def test_quantized_weights_match_dequantized_reference():
                      **TOL["bfloat16"])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("flags", [
+    dict(has_gate=True, is_transposed=False, activation="silu"),
+    dict(has_gate=True, is_transposed=True, activation="gpt_oss", is_concatenated=False),
+    dict(has_gate=False, is_transposed=False, activation="relu2"),
+], ids=["qwen", "gpt_oss", "no_gate"])
+def test_int8_activations_match_the_quantized_reference(flags, dtype):
+  """lhs_quant="int8" with int8 weights: the reference quantizes each token's row and
+  each expert's h by the definition (`reference_moe.quantize_row_int8`), at the dtype's
+  tolerance. (A code of h could round the other way where h / scale sits at a tie within
+  the last float32 bits, moving its row by ~max|h| / 127 / sqrt(I); this fixed problem
+  has none, and interpret mode is deterministic.) In float32 the unquantized layer is
+  ~1e-2 away, 100x the tolerance: the check sees the quantization."""
+  rng = np.random.default_rng(5)
+  flags = dict(flags)
+  activation = flags.pop("activation")
+  p = _problem(rng, tokens=9, hidden=64, inter=40, experts=4, top_k=2, dtype=dtype,
+               has_gate=flags["has_gate"], is_transposed=flags["is_transposed"],
+               has_bias=True)
+  for name, key in (("gate_up", "gate_up_weight"), ("down", "down_weight")):
+    w = p[key].astype(np.float32)
+    out_axis = 2 if flags["is_transposed"] else 1           # the output channel's axis
+    scale = np.abs(w).max(axis=3 - out_axis) / 127.0      # [E, out]
+    p[key] = np.round(w / np.expand_dims(scale, 3 - out_axis)).astype(np.int8)
+    p[f"{name}_scale"] = scale.astype(np.float32)
+  flags.update(num_experts=4, activation=activation)
+  got = _run(p, lhs_quant="int8", **flags)
+  want = _reference(p, activation, lhs_quant="int8",
+                    **{k: v for k, v in flags.items() if k != "activation"})
+  ref.assert_close(np.asarray(got.astype(jnp.float32)), want, **TOL[dtype])
+  if dtype == "float32":
+    plain = _reference(p, activation, **{k: v for k, v in flags.items() if k != "activation"})
+    assert np.abs(want - plain).max() > 20 * TOL[dtype]["atol"] * np.abs(plain).max()
+
+
 @pytest.mark.parametrize("flags", [
     dict(has_gate=True, is_transposed=False, has_bias=False, activation="silu"),
     dict(has_gate=True, is_transposed=True, has_bias=True, activation="gpt_oss",

@@ -111,6 +111,35 @@ def test_quantized_weights_with_a_k_tail_compile(weight_dtype, chip):
   assert len(matmuls) == 1, report
 
 
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+@pytest.mark.parametrize("label, m, k, n, experts, gated, blocks", [
+    ("Qwen3 down, one k block", 64, 768, 2048, 128, False, None),
+    ("Qwen3 gate/up", 64, 2048, 768, 128, True, None),
+    ("Qwen3 gate/up at prefill", 8192, 2048, 768, 128, True, None),
+    ("gpt-oss down, k tail", 64, 2880, 2880, 32, False, (32, 1536, 1024)),
+])
+def test_int8_activations_compile(label, m, k, n, experts, gated, blocks, chip):
+  """lhs_quant="int8" (int8 x int8 on the MXU, int32 products): one block of all k,
+  the gated epilogue at decode and prefill tiles, and split k with a masked int8 tail
+  into the int32 accumulator (forced: gpt-oss down, block_k 1536 over k = 2880)."""
+  width = 2 * n if gated else n
+  specs = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+           jax.ShapeDtypeStruct((experts, k, width), jnp.int8),
+           jax.ShapeDtypeStruct((experts,), jnp.int32),
+           jax.ShapeDtypeStruct((experts, width), jnp.float32)]
+  block_m, block_k, block_n = blocks or (None, None, None)
+  call = R.gated_ragged_dot if gated else R.ragged_dot
+
+  def fn(x, w, group_sizes, scale):
+    return call(x, w, group_sizes, rhs_scale=scale, chip=chip, lhs_quant="int8",
+                block_m=block_m, block_k=block_k, block_n=block_n)
+
+  report = aot.compile_for_chip(fn, specs, chip)
+  assert report.ok, f"{label} on {chip}: {report.error}"
+  matmuls = [n for n in report.kernel_names if R.VISIT_TABLE_KERNEL not in n]
+  assert len(matmuls) == 1, report
+
+
 def _tuned_program(entry) -> Program:
   """The forward program of the entry's key: its model's projection (bf16 weights
   (G, out, in), 1-byte ones (G, in, out) with a scale, as quantize_experts_ stores them;

@@ -131,6 +131,69 @@ def test_gated_ragged_dot_matches_reference(p):
   _check_forward(p)
 
 
+def _check_int8_activations(p):
+  """lhs_quant="int8": the kernel's result against the float64 grouped matmul of the
+  dequantized lhs (codes * row scale, `ref.quantize_rows_int8`), at lhs's tolerance."""
+  p = dict(p, quant="int8")
+  lhs, rhs, scale, bias = _inputs(p)
+  codes, row_scale = ref.quantize_rows_int8(lhs)
+  p_int8 = dict(p, **_legal(p, vmem.sublane_multiple(jnp.int8)))
+  fn = _call(p_int8, lhs, rhs, scale, bias, lhs_quant="int8")
+  out = fn(jnp.asarray(lhs), jnp.asarray(rhs), None if bias is None else jnp.asarray(bias))
+  assert out.dtype == lhs.dtype
+  expected = ref.ragged_dot(codes * row_scale, rhs, p["sizes"],
+                            **_reference(p, lhs, rhs, scale, bias))
+  ref.assert_close(out, expected, ref.RAGGED_TOLERANCE[p["dtype"]], f"out {p}")
+  ids = ref.local_row_groups(p["sizes"], p["offset"], p["num_local"], p["m"])
+  assert not np.asarray(out, np.float64)[ids >= p["num_local"]].any()
+
+
+@given(problems())
+def test_int8_activations_match_reference(p):
+  _check_int8_activations(p)
+
+
+@given(problems(gated=True))
+def test_gated_int8_activations_match_reference(p):
+  _check_int8_activations(p)
+
+
+def test_quantize_rows_edges():
+  """Zero rows get scale 1 and zero codes; each row's largest magnitude maps to +-127;
+  every element is within half a step; a row with an inf or a NaN gets a NaN scale."""
+  x = np.array([[0.0, 0.0, 0.0, 0.0], [1.0, -2.0, 0.5, 3.0], [-4.0, 1e-3, 2.0, 0.0],
+                [1.0, np.inf, 0.0, 0.0], [np.nan, 1.0, 0.0, 0.0]], np.float32)
+  codes, scale = (np.asarray(a) for a in K.quantize_rows(jnp.asarray(x)))
+  assert codes.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (5, 1)
+  assert scale[0, 0] == 1.0 and not codes[0].any()
+  assert codes[1, 3] == 127 and codes[2, 0] == -127
+  assert np.abs(codes[1:3] * scale[1:3] - x[1:3]).max() <= scale[1:3].max() / 2
+  assert np.isnan(scale[3:]).all()
+  want_codes, want_scale = ref.quantize_rows_int8(x[:3])
+  assert (codes[:3] == want_codes).all() and (scale[:3] == want_scale).all()
+
+
+def test_int8_activations_never_hide_a_non_finite_row():
+  """A row of lhs with an inf or a NaN comes out NaN under lhs_quant; the other rows of
+  its tile are unaffected."""
+  lhs = np.ones((32, 256), np.float32)
+  lhs[3, 7], lhs[9, 0] = np.inf, np.nan
+  rhs = np.ones((1, 256, 128), np.int8)
+  out = np.asarray(K.ragged_dot(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray([32], jnp.int32),
+                                rhs_scale=jnp.ones((1, 128)), lhs_quant="int8", interpret=True))
+  assert np.isnan(out[[3, 9]]).all()
+  rest = np.delete(out, [3, 9], axis=0)
+  np.testing.assert_allclose(rest, 256.0, rtol=1e-6)
+
+
+def test_int8_activations_have_no_gradient():
+  lhs, rhs = jnp.ones((16, 128)), jnp.ones((1, 128, 128), jnp.int8)
+  f = lambda x: K.ragged_dot(x, rhs, jnp.asarray([16], jnp.int32), rhs_scale=jnp.ones((1, 128)),
+                             lhs_quant="int8", interpret=True).sum()
+  with pytest.raises(NotImplementedError, match="inference only"):
+    jax.grad(f)(lhs)
+
+
 @given(problems(), st.booleans())
 def test_gradients_match_reference(p, gated):
   if gated:   # a gated problem: the same draw, with an even n and a gated activation
@@ -285,6 +348,14 @@ def test_empty_problems():
                           jnp.ones(2, jnp.int32)), "float32 or bfloat16"),
     (lambda: K.ragged_dot(jnp.ones((4, 8)), jnp.ones((2, 8, 5)), jnp.ones(2, jnp.int32),
                           vmem_limit_bytes=10**12), "exceeds"),
+    (lambda: K.ragged_dot(jnp.ones((4, 8)), jnp.ones((2, 8, 5), jnp.float8_e4m3fn),
+                          jnp.ones(2, jnp.int32), rhs_scale=jnp.ones((2, 5)), lhs_quant="int8"),
+     "rhs must be int8"),
+    (lambda: K.ragged_dot(jnp.ones((4, 8)), jnp.ones((2, 8, 5)), jnp.ones(2, jnp.int32),
+                          lhs_quant="int8"), "rhs must be int8"),
+    (lambda: K.gated_ragged_dot(jnp.ones((4, 8)), jnp.ones((2, 8, 6), jnp.int8),
+                                jnp.ones(2, jnp.int32), rhs_scale=jnp.ones((2, 6)),
+                                lhs_quant="int4"), "lhs_quant"),
 ])
 def test_bad_input_gives_clear_error(call, message):
   with pytest.raises((ValueError, TypeError), match=message):
@@ -313,6 +384,12 @@ def test_default_tiles_fit_the_chip_budget(chip, m, k, n, groups):
     assert t.block_m == m or t.block_m % vmem.sublane_multiple(dtype) == 0
     assert t.block_k == k or t.block_k % 128 == 0
     assert t.block_n == n or t.block_n % 128 == 0
+  for num_rhs in (1, 2):   # int8 rows (lhs_quant): 32-row int8 tiles, bf16 out
+    t = K.gmm_tiling(m, k, n, num_groups=groups, lhs_dtype=jnp.int8, rhs_dtype=jnp.int8,
+                     out_dtype=jnp.bfloat16, num_rhs=num_rhs, chip=chip)
+    assert t.vmem_limit_bytes <= c.max_vmem_limit_bytes
+    assert t.vmem_plan_bytes <= vmem.vmem_budget(c, t.vmem_limit_bytes)
+    assert t.block_m == m or t.block_m % vmem.sublane_multiple(jnp.int8) == 0
   t = K.tgmm_tiling(m, k, n, num_groups=groups, lhs_dtype=jnp.bfloat16,
                     grad_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip=chip)
   assert t.vmem_plan_bytes <= vmem.vmem_budget(c, None)
