@@ -156,7 +156,7 @@ def _direct_experts(kind: str, dtype=torch.float32, seed=0):
   return module.to(dtype)
 
 
-def _numpy_reference(module, hidden, index, weights):
+def _numpy_reference(module, hidden, index, weights, lhs_quant=None):
   activation = {"GptOssExperts": "gpt_oss", "NemotronHExperts": "relu2",
                 "Gemma4TextExperts": "gelu_tanh"}.get(type(module).__name__, "silu")
   up = "gate_up_proj" if module.has_gate else "up_proj"
@@ -170,7 +170,7 @@ def _numpy_reference(module, hidden, index, weights):
       num_experts=module.num_experts, has_gate=module.has_gate,
       is_transposed=module.is_transposed, is_concatenated=module.is_concatenated,
       activation_name=activation, alpha=getattr(module, "alpha", 1.702),
-      limit=getattr(module, "limit", 7.0))
+      limit=getattr(module, "limit", 7.0), lhs_quant=lhs_quant)
 
 
 def _routing(tokens, num_experts, top_k, gen, placeholders=0):
@@ -274,6 +274,34 @@ def test_quantized_experts_error_is_bounded(registered, kind, qdtype):
   assert torch.isfinite(grad).all() and grad.abs().max() > 0
 
 
+@pytest.mark.parametrize("kind", ["qwen", "gpt_oss", "no_gate"])
+def test_int8_activations_match_the_quantized_reference(registered, kind):
+  """quantize_experts_(..., activations="int8"): the fused op quantizes each projection's
+  rows per row (int8 x int8), as the float64 reference does by the definition; float32,
+  at float32's tolerance (the unquantized result is ~1e-2 away). No gradient: it raises."""
+  module = _direct_experts(kind)
+  gen = torch.Generator().manual_seed(6)
+  hidden = torch.randn(9, 48, generator=gen)
+  index, weights = _routing(9, 6, 2, gen)
+  assert registered.quantize_experts_(module, "int8", activations="int8") == 1
+  assert module.lhs_quant == "int8"
+  with torch.no_grad():
+    out = registered.experts_forward(module, hidden, index, weights)
+  want = _numpy_reference(module, hidden, index, weights, lhs_quant="int8")
+  ref.assert_close(out, want, **TOL[torch.float32])
+  plain = _numpy_reference(module, hidden, index, weights)
+  assert abs(want - plain).max() > 20 * TOL[torch.float32]["atol"] * abs(plain).max()
+  hidden.requires_grad_()
+  with pytest.raises(NotImplementedError, match="inference only"):
+    registered.experts_forward(module, hidden, index, weights).sum().backward()
+  # "" clears the flag; fp8 weights refuse it
+  assert registered.quantize_experts_(module, "int8", activations="") == 1
+  assert not module.lhs_quant
+  fp8 = _direct_experts(kind)
+  with pytest.raises(ValueError, match="activations"):
+    registered.quantize_experts_(fp8, "float8_e4m3fn", activations="int8")
+
+
 def test_half_quantized_module_is_refused(registered):
   """One layout flag (is_transposed) covers both expert weights, so a module with one
   quantized and one float weight is refused, not converted halfway."""
@@ -332,7 +360,7 @@ def test_opcheck(registered, ragged_ops):
   weights.requires_grad_()
   args = (hidden, index.to(torch.int32), weights, module.gate_up_proj, module.down_proj,
           module.gate_up_proj_bias, module.down_proj_bias, None, None, 6, True, True, False,
-          "gpt_oss", float(module.alpha), float(module.limit))
+          "gpt_oss", float(module.alpha), float(module.limit), "")
   opcheck(ragged_ops.experts_op, args)
 
 
@@ -373,4 +401,4 @@ def test_tpu_branch_passes_int32_ids_and_statics(registered, monkeypatch):
   assert [tuple(t.shape) for t in tensors[5:]] == [(0,)] * 4   # no biases, no scales
   assert kwargs == dict(num_experts=6, has_gate=True, is_transposed=False,
                         is_concatenated=True, activation="silu", alpha=1.702, limit=7.0,
-                        chip="v6e", interpret=False)
+                        lhs_quant="", chip="v6e", interpret=False)

@@ -284,3 +284,4 @@ def test_activation_list_matches_the_kernel(ragged):
 
   assert ragged.SUPPORTED_ACTIVATIONS == kernel.SUPPORTED_ACTIVATIONS
   assert moe.GATED_ACTIVATIONS == kernel.GATED_ACTIVATIONS
+  assert ragged._LHS_QUANTS == kernel.LHS_QUANTS   # quantize_experts_'s activations="int8"

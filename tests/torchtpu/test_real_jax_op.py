@@ -153,8 +153,9 @@ def _ragged_dot(k, t, *, quantized=None, bias=False):
   return [k.ragged_dot(lhs, rhs, t((4,), torch.int32), **kwargs)]
 
 
-def _experts(k, t, kind, *, quantized=None):
+def _experts(k, t, kind, *, quantized=None, lhs_quant=None):
   m = experts_module(kind, t, quantized=quantized)
+  m.lhs_quant = lhs_quant   # quantize_experts_(..., activations="int8") sets it
   index, weights = _routing(t)
   return [k.experts_forward(m, t((16, 128), torch.float32), index, weights)]
 
@@ -223,6 +224,9 @@ CASES = {
                                              True),
     "experts no_gate": ("ragged", lambda k, t: _experts(k, t, "no_gate"), True),
     "experts int8": ("ragged", lambda k, t: _experts(k, t, "silu", quantized=torch.int8), True),
+    # int8 activations too: inference only (its backward raises by design)
+    "experts w8a8": ("ragged", lambda k, t: _experts(k, t, "silu", quantized=torch.int8,
+                                                     lhs_quant="int8"), False),
     "experts fp8 gpt_oss": ("ragged", lambda k, t: _experts(
         k, t, "gpt_oss", quantized=torch.float8_e4m3fn), True),
     "flash": ("flash", lambda k, t: _flash(k, t), True),

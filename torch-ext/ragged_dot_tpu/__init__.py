@@ -5,7 +5,8 @@ tensors on TPU (TorchTPU) or CPU.
                rhs_scale=None, bias=None, activation=None, out_dtype=None) -> out [m, n]
     experts_forward(self, hidden_states, top_k_index, top_k_weights) -> [T, H]
         (for transformers' ALL_EXPERTS_FUNCTIONS.register("tpu_ragged_dot", ...))
-    quantize_experts_(model, dtype="int8" | "float8_e4m3fn") -> number of experts modules
+    quantize_experts_(model, dtype="int8" | "float8_e4m3fn", activations=None | "int8")
+        -> number of experts modules
 
 ragged_dot: rows of group g (consecutive, group_sizes[g] of them, in order) multiply
 rhs[g - group_offset]; rows of groups outside this shard's slice, and rows past
@@ -36,6 +37,7 @@ __all__ = ["SUPPORTED_ACTIVATIONS", "ExpertsPlan", "experts_forward", "experts_p
 SUPPORTED_ACTIVATIONS = ("identity", "silu", "gelu_tanh", "gelu", "relu", "relu2")
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 _QUANT_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+_LHS_QUANTS = ("int8",)   # kernels/tpu_kernels/ragged_dot.py's LHS_QUANTS (a test checks)
 
 
 def _check_weight(op: str, name: str, w: torch.Tensor, compute_dtype: torch.dtype,
@@ -422,11 +424,13 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
   `self` is a Transformers experts module (`@use_experts_implementation`): it reads
   num_experts, has_gate, has_bias, is_transposed, act_fn, `_apply_gate`,
   has_post_expert_norm / post_expert_norm, gate_up_proj / up_proj, down_proj, their biases,
-  and the scales `quantize_experts_` stores. `experts_plan(self)` says which route runs:
+  and the scales and `lhs_quant` flag `quantize_experts_` stores. `experts_plan(self)` says
+  which route runs:
   fused (the gate in the kernel's epilogue) or generic (the module's own gate, activation
   or post-expert norm in torch between two ragged_dot calls). Ids outside [0, num_experts)
   (expert-parallel placeholders, negative ids of dropped pairs) contribute nothing.
-  Differentiable on both routes. Returns [T, H] in hidden_states' dtype.
+  Differentiable on both routes, except with int8 activations (`lhs_quant`, fused route
+  only, inference only). Returns [T, H] in hidden_states' dtype.
   """
   op = "experts_forward"
   has_gate = bool(getattr(self, "has_gate", True))
@@ -439,6 +443,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
   down_scale = getattr(self, "down_proj_scale", None)
   gate_up_bias = getattr(self, f"{up_name}_bias") if has_bias else None
   down_bias = self.down_proj_bias if has_bias else None
+  lhs_quant = getattr(self, "lhs_quant", None) or ""
 
   for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
                   ("top_k_weights", top_k_weights)):
@@ -477,7 +482,18 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
   _shim.device_type_of(op, {"hidden_states": hidden_states, "top_k_index": top_k_index,
                             "top_k_weights": top_k_weights, up_name: gate_up, "down_proj": down})
 
+  if lhs_quant:
+    if lhs_quant not in _LHS_QUANTS:
+      raise ValueError(f"{op}: lhs_quant must be one of {_LHS_QUANTS}, got {lhs_quant!r}")
+    if not gate_up.dtype == down.dtype == torch.int8:
+      raise TypeError(f"{op}: lhs_quant={lhs_quant!r} multiplies int8 by int8: both expert "
+                      f"weights must be int8 (quantize_experts_(model, 'int8')), got "
+                      f"{dtype_name(gate_up.dtype)} and {dtype_name(down.dtype)}")
   plan = experts_plan(self)
+  if plan.route == "generic" and lhs_quant:
+    raise NotImplementedError(
+        f"{op}: lhs_quant={lhs_quant!r} runs on the fused route only; "
+        f"{type(self).__name__} takes the generic route (experts_plan: {plan.reason})")
   if plan.route == "generic":
     weights = {up_name: gate_up, f"{up_name}_scale": gate_up_scale,
                f"{up_name}_bias": gate_up_bias, "down_proj": down,
@@ -492,7 +508,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
                    None if gate_up_bias is None else gate_up_bias.contiguous(),
                    None if down_bias is None else down_bias.contiguous(),
                    gate_up_scale, down_scale, num_experts, has_gate, is_transposed,
-                   plan.is_concatenated, plan.activation, plan.alpha, plan.limit)
+                   plan.is_concatenated, plan.activation, plan.alpha, plan.limit, lhs_quant)
   return out.to(hidden_states.dtype)
 
 
@@ -511,7 +527,8 @@ def _quantize(weight: torch.Tensor, out_axis: int, dtype: str):
   return q, scale.contiguous()
 
 
-def quantize_experts_(model: torch.nn.Module, dtype: str = "int8") -> int:
+def quantize_experts_(model: torch.nn.Module, dtype: str = "int8",
+                      activations: str | None = None) -> int:
   """Quantizes every Transformers experts module of `model` in place, for `experts_forward`.
 
   gate_up_proj (or up_proj) and down_proj become int8 / float8_e4m3fn buffers with a
@@ -524,11 +541,21 @@ def quantize_experts_(model: torch.nn.Module, dtype: str = "int8") -> int:
   768 x 2048 int8 block; docs/performance.md, "Quantized decode"). The quantized weights
   are frozen (no gradient); biases stay as they are. The module's own eager forward cannot
   run on them: use experts_implementation="tpu_ragged_dot".
+
+  activations="int8" (int8 weights only) also sets the module's `lhs_quant`: experts_forward
+  then quantizes the rows fed to each projection per row (scale = max|row| / 127) and
+  multiplies int8 by int8 (W8A8, as tpu-inference's dynamic activation quantization). It
+  changes the result (each activation by up to half a step), has no gradient, and pays
+  only where int8 weights alone leave the kernel compute-bound (docs/performance.md,
+  "int8 activations"). None leaves the flag as it is; "" clears it.
   Returns the number of experts modules quantized (modules already quantized count too).
   """
   if dtype not in _QUANT_MAX:
     raise ValueError(f"quantize_experts_: dtype must be one of {tuple(_QUANT_MAX)}, got "
                      f"{dtype!r}")
+  if activations and (activations not in _LHS_QUANTS or dtype != "int8"):
+    raise ValueError(f"quantize_experts_: activations must be None, '' or one of "
+                     f"{_LHS_QUANTS} with dtype 'int8', got {activations!r} with {dtype!r}")
   count = 0
   for module in model.modules():
     if not hasattr(module, "has_gate") or not isinstance(getattr(module, "down_proj", None),
@@ -537,6 +564,12 @@ def quantize_experts_(model: torch.nn.Module, dtype: str = "int8") -> int:
     names = ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
     quantized = [getattr(module, name).dtype in QUANTIZED_DTYPES for name in names]
     if all(quantized):
+      if activations and any(getattr(module, name).dtype != torch.int8 for name in names):
+        raise ValueError(f"quantize_experts_: activations={activations!r} needs int8 expert "
+                         f"weights; {type(module).__name__}'s are already "
+                         f"{dtype_name(getattr(module, names[0]).dtype)}")
+      if activations is not None:
+        module.lhs_quant = activations
       count += 1
       continue
     if any(quantized):   # one layout flag covers both weights: never half-converted
@@ -554,5 +587,7 @@ def quantize_experts_(model: torch.nn.Module, dtype: str = "int8") -> int:
       module.register_buffer(name, q)
       module.register_buffer(f"{name}_scale", scale)
     module.is_transposed = True
+    if activations is not None:
+      module.lhs_quant = activations
     count += 1
   return count

@@ -8,7 +8,7 @@ Ops, in the namespace of this build (`_ops.NAMESPACE`, unique per kernel and ver
       -> (grad_lhs, grad_rhs, grad_bias)
   experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias?, down_bias?,
           gate_up_scale?, down_scale?, num_experts, has_gate, is_transposed,
-          is_concatenated, activation, alpha, limit) -> out [T, H]
+          is_concatenated, activation, alpha, limit, lhs_quant) -> out [T, H]
   experts_backward(<experts inputs>, grad_out, <statics>)
       -> (grad_hidden, grad_top_k_weights, grad_gate_up, grad_down, grad_gate_up_bias,
           grad_down_bias)
@@ -17,7 +17,9 @@ Gradients that do not exist (quantized weights are frozen; absent biases) come b
 from the backward ops as empty (0,) tensors and reach autograd as None. The forward
 ops are differentiable through the backward ops (first order only); the backward
 JAX functions recompute the forward under jax.vjp, so the Pallas backward kernels run.
-`out_dtype` is a dtype name ("float32", "bfloat16") or "" for lhs's dtype.
+`out_dtype` is a dtype name ("float32", "bfloat16") or "" for lhs's dtype. `lhs_quant` is
+"" or "int8" (int8 activations as well as weights: inference only, so the experts op
+refuses a gradient with it).
 """
 
 from __future__ import annotations
@@ -182,11 +184,12 @@ def _experts_forward_impl(hidden: torch.Tensor, top_k_index: torch.Tensor,
                           down_bias: torch.Tensor | None, gate_up_scale: torch.Tensor | None,
                           down_scale: torch.Tensor | None, num_experts: int, has_gate: bool,
                           is_transposed: bool, is_concatenated: bool, activation: str,
-                          alpha: float, limit: float) -> torch.Tensor:
+                          alpha: float, limit: float, lhs_quant: str) -> torch.Tensor:
   tensors = _experts_tensors(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias,
                              down_bias, gate_up_scale, down_scale)
-  return _experts_forward(tensors, **_statics(num_experts, has_gate, is_transposed,
-                                              is_concatenated, activation, alpha, limit))
+  return _experts_forward(tensors, lhs_quant=lhs_quant,
+                          **_statics(num_experts, has_gate, is_transposed, is_concatenated,
+                                     activation, alpha, limit))
 
 
 def _experts_forward_fake(hidden, *rest):
@@ -195,10 +198,14 @@ def _experts_forward_fake(hidden, *rest):
 
 def _experts_setup_context(ctx, inputs, output):
   ctx.save_for_backward(*inputs[:9])
-  ctx.statics = inputs[9:]
+  ctx.statics, ctx.lhs_quant = inputs[9:-1], inputs[-1]
 
 
 def _experts_autograd(ctx, grad_out):
+  if ctx.lhs_quant:
+    raise NotImplementedError(
+        f"experts: lhs_quant={ctx.lhs_quant!r} (int8 activations) is inference only: rounding "
+        "the activations has no gradient. Run under torch.no_grad(), or without it.")
   saved = ctx.saved_tensors
   _, _, _, gate_up, down, gate_up_bias, down_bias, _, _ = saved
   d_hidden, d_weights, d_gate_up, d_down, d_gu_bias, d_down_bias = experts_backward_op(
@@ -208,7 +215,7 @@ def _experts_autograd(ctx, grad_out):
           None if down.dtype in QUANTIZED_DTYPES else d_down,
           None if gate_up_bias is None else d_gu_bias,
           None if down_bias is None else d_down_bias,
-          None, None, None, None, None, None, None, None, None)
+          None, None, None, None, None, None, None, None, None, None)
 
 
 def _setup_experts(op):

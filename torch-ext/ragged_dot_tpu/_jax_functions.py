@@ -85,14 +85,14 @@ def ragged_dot_backward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 
 def _experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
              gate_up_scale, down_scale, num_experts, has_gate, is_transposed, is_concatenated,
-             activation, alpha, limit, chip, interpret):
+             activation, alpha, limit, lhs_quant, chip, interpret):
   return moe.moe_experts(hidden, top_k_index, top_k_weights, gate_up, down,
                          gate_up_bias=gate_up_bias, down_bias=down_bias,
                          gate_up_scale=gate_up_scale, down_scale=down_scale,
                          num_experts=num_experts, has_gate=has_gate,
                          is_transposed=is_transposed, is_concatenated=is_concatenated,
                          activation=activation, alpha=alpha, limit=limit, chip=chip,
-                         interpret=interpret)
+                         interpret=interpret, lhs_quant=lhs_quant or None)
 
 
 def experts_forward(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array,
@@ -100,11 +100,13 @@ def experts_forward(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: ja
                     down_bias: jax.Array, gate_up_scale: jax.Array, down_scale: jax.Array,
                     num_experts: int, has_gate: bool, is_transposed: bool,
                     is_concatenated: bool, activation: str, alpha: float, limit: float,
-                    chip: str, interpret: bool) -> jax.Array:
+                    lhs_quant: str, chip: str, interpret: bool) -> jax.Array:
+  """lhs_quant: "" or "int8" (moe_experts' lhs_quant; forward only: experts_backward
+  runs without it, and the torch op refuses a gradient with it)."""
   return _experts(hidden, top_k_index, top_k_weights, gate_up, down, _opt(gate_up_bias),
                   _opt(down_bias), _opt(gate_up_scale), _opt(down_scale), num_experts,
-                  has_gate, is_transposed, is_concatenated, activation, alpha, limit, chip,
-                  interpret)
+                  has_gate, is_transposed, is_concatenated, activation, alpha, limit,
+                  lhs_quant, chip, interpret)
 
 
 def experts_backward(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array,
@@ -133,8 +135,8 @@ def experts_backward(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: j
     p = {n: (t if present[n] else fixed[n]) for n, t in zip(names, trainable)}
     return _experts(hidden_, top_k_index, weights_, p["gate_up"], p["down"], p["gate_up_bias"],
                     p["down_bias"], _opt(gate_up_scale), _opt(down_scale), num_experts,
-                    has_gate, is_transposed, is_concatenated, activation, alpha, limit, chip,
-                    interpret)
+                    has_gate, is_transposed, is_concatenated, activation, alpha, limit, "",
+                    chip, interpret)
 
   primals = [given[n] if present[n] else _none_array() for n in names]
   _, vjp = jax.vjp(f, hidden, top_k_weights, *primals)
