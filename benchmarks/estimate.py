@@ -69,8 +69,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
-from tpu_kernels import aot, chips, rms_norm  # noqa: E402
+from tpu_kernels import aot, chips, ragged_dot as R, rms_norm  # noqa: E402
 
 import attention_estimate  # noqa: E402
 import experts_layer_estimate  # noqa: E402
@@ -138,7 +139,32 @@ def _gmm(case: headline.GroupedMatmul, chip: str) -> ragged_estimate.GmmCase:
 
 
 def _ragged_pallas(case: headline.GroupedMatmul, chip: str) -> dict:
-  return rate_gmm(_gmm(case, chip), chip)
+  row = rate_gmm(_gmm(case, chip), chip)
+  if case.lhs_quant:
+    row = _with_lhs_quantization(row, case, chip)
+  return row
+
+
+def _with_lhs_quantization(kernel: dict, case: headline.GroupedMatmul, chip: str) -> dict:
+  """The kernel's row plus the op that quantizes lhs before it (`ragged_dot.quantize_rows`,
+  XLA's, compiled alone), as the layer estimate sums its parts: each part's time is
+  max(static cycles, HBM bytes at full bandwidth), the row's cycles their sum."""
+  c = chips.get_chip(chip)
+  lhs = jax.ShapeDtypeStruct((case.m, case.k), jnp.dtype(case.dtype))
+  quantize = experts_layer_estimate._glue_part(   # bf16 in, int8 codes and f32 scales out
+      R.quantize_rows, [lhs], chip, min_bytes=case.m * case.k * 3 + case.m * 4, kernel_fed=True)
+  part_cycles = lambda cycles, nbytes: max(cycles, nbytes / c.hbm_bytes_per_s * c.clock_hz)
+  quantize_cycles = part_cycles(quantize["cycles"], quantize["hbm_bytes"])
+  row = dict(kernel)
+  row.update(
+      estimated_cycles=round(part_cycles(kernel["estimated_cycles"], kernel["hbm_bytes"])
+                             + quantize_cycles),
+      hbm_bytes=kernel["hbm_bytes"] + quantize["hbm_bytes"],
+      method=kernel["method"] + "; plus the quantization of lhs (quantize_rows, XLA, "
+             f"{quantize['ops']} ops: {quantize['cycles']} cycles, {quantize['hbm_bytes']} "
+             "bytes), each part max(cycles, bytes) and summed",
+      kernel_cycles=kernel["estimated_cycles"], quantize_cycles=quantize["cycles"])
+  return row
 
 
 def rate_gmm(gmm: ragged_estimate.GmmCase, chip: str) -> dict:
@@ -194,6 +220,10 @@ def ours_and_xla(case) -> list[Implementation]:
         Implementation(name, "xla (jnp)", XLA, functools.partial(_whole_program, lambda chip: (
             rms_norm.rms_norm_reference, [x, w]), case)),
     ]
+  if isinstance(case, headline.GroupedMatmul) and case.lhs_quant:
+    # No XLA row: lax.ragged_dot has no int8 x int8 with row and column scales (the int8
+    # row's XLA baseline, which dequantizes the weights, is the comparison).
+    return [Implementation(name, "pallas", OURS, functools.partial(_ragged_pallas, case))]
   if isinstance(case, headline.GroupedMatmul):
     return [
         Implementation(name, "pallas", OURS, functools.partial(_ragged_pallas, case)),

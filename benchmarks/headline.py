@@ -58,7 +58,10 @@ class GroupedMatmul:
   m / groups rows each; with fewer rows than experts, m experts of one row each and the
   rest empty), weights [groups, k, n] (gate_up: n = 2 * width, the gated unit in the
   epilogue, output [m, width]). Weights in `weight_dtype`: bf16, or int8 / float8_e4m3fn
-  with a per-output-channel `scale_dtype` scale [groups, n]; activations in `dtype`."""
+  with a per-output-channel `scale_dtype` scale [groups, n]; activations in `dtype`.
+  `lhs_quant` "int8" (int8 weights): the activations quantized per row and multiplied as
+  int8 (ragged_dot's lhs_quant, "w8a8" in the name); the roofline is the same as the int8
+  row's (bf16 activations in, the op's input)."""
 
   m: int
   part: str                 # "gate_up+silu", "gate_up+gpt_oss" or "down"
@@ -69,18 +72,21 @@ class GroupedMatmul:
   model: str = "Qwen3-30B-A3B"
   weight_dtype: str = "bfloat16"
   scale_dtype: str = "float32"
+  lhs_quant: str | None = None
   kernel = "ragged-dot-tpu"
 
   @classmethod
-  def of(cls, model: str, m: int, part: str, weight_dtype: str = "bfloat16"):
+  def of(cls, model: str, m: int, part: str, weight_dtype: str = "bfloat16",
+         lhs_quant: str | None = None):
     """The case of one of MOE_MODELS."""
     groups, hidden, width = MOE_MODELS[model]
     return cls(m, part, groups=groups, hidden=hidden, width=width, model=model,
-               weight_dtype=weight_dtype)
+               weight_dtype=weight_dtype, lhs_quant=lhs_quant)
 
   @property
   def name(self) -> str:
-    return f"ragged_dot {self.model} {self.part} {WEIGHT_TAG[self.weight_dtype]} m={self.m}"
+    tag = "w8a8" if self.lhs_quant else WEIGHT_TAG[self.weight_dtype]
+    return f"ragged_dot {self.model} {self.part} {tag} m={self.m}"
 
   @property
   def bound(self) -> str:
@@ -394,6 +400,10 @@ QUANTIZED_DECODE: tuple = tuple(   # int8 / fp8 expert weights at decode (issue 
     for weight_dtype in ("bfloat16", "int8", "float8_e4m3fn")
     # the bf16 rows every quantized row is compared with (Qwen3 m=512 is in HEADLINE)
     if not (weight_dtype == "bfloat16" and model == "Qwen3-30B-A3B" and m == 512))
+# int8 weights with int8 activations (ragged_dot's lhs_quant="int8": tpu-inference's dynamic
+# per-token activation quantization), beside the int8 rows: the same models, parts and m.
+W8A8_DECODE: tuple = tuple(GroupedMatmul.of(c.model, c.m, c.part, "int8", lhs_quant="int8")
+                           for c in QUANTIZED_DECODE if c.weight_dtype == "int8")
 # the whole experts op as one program (issue 28). gpt-oss-20b routes to 4 experts
 # (experts_per_token 4 in its config.json; transformers' GptOssConfig num_experts_per_tok=4),
 # not the 8 the issue names.
@@ -414,7 +424,8 @@ SERVING_PAGED: tuple = (           # paged attention at serving page sizes and b
     PagedBatch(context=32768, sliding_window=4096),
 )
 
-ALL_CASES = HEADLINE + DIFFUSION_ATTENTION + QUANTIZED_DECODE + EXPERTS_LAYER + SERVING_PAGED
+ALL_CASES = (HEADLINE + DIFFUSION_ATTENTION + QUANTIZED_DECODE + W8A8_DECODE + EXPERTS_LAYER
+             + SERVING_PAGED)
 
 
 def by_name(name: str):

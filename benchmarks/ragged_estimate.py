@@ -153,7 +153,10 @@ def visible_table(table: BalancedTable, num_v: int):
 class GmmCase:
   """One forward grouped matmul at balanced routing: lhs (m, k) in `dtype`, weights
   (G, n, k) (transpose_rhs) or (G, k, n) in `weight_dtype`, with a float32 (G, n) scale
-  when that is int8 / float8_e4m3fn; output in `out_dtype` (default `dtype`)."""
+  when that is int8 / float8_e4m3fn; output in `out_dtype` (default `dtype`).
+  `lhs_quant` "int8" (int8 weights): the kernel takes lhs as int8 codes with float32 row
+  scales [m, 1], as `ragged_dot`'s lhs_quant gives it; the quantization before it (an XLA
+  op over lhs) is not part of this case."""
 
   m: int
   groups: int
@@ -168,6 +171,12 @@ class GmmCase:
   active_groups: int | None = None  # groups with rows (None: all); the rest are empty
   transpose_rhs: bool = True
   interleaved: bool = False   # gated, gate/up columns interleaved (the "lanes" route)
+  lhs_quant: str | None = None   # "int8": lhs as int8 codes and row scales
+
+  @property
+  def lhs_dtype(self):
+    """The kernel's lhs: `dtype`, or int8 codes with lhs_quant."""
+    return jnp.dtype(jnp.int8 if self.lhs_quant else self.dtype)
 
   @property
   def num_rhs(self) -> int:
@@ -190,7 +199,7 @@ class GmmCase:
     return self.active_groups or self.groups
 
   def tiling(self) -> R.Tiling:
-    dt = jnp.dtype(self.dtype)
+    dt = self.lhs_dtype
     block_m, block_k, block_n = self.blocks or (None, None, None)
     return R.gmm_tiling(self.m, self.k, self.n_out, num_groups=self.groups, lhs_dtype=dt,
                         rhs_dtype=self.rhs_dtype, out_dtype=self.result_dtype,
@@ -205,12 +214,14 @@ class GmmCase:
     return BalancedTable(self.m, self.active_groups, self.tiling().block_m, self.groups)
 
   def specs(self):
-    """lhs, weight, [scale (G, n) float32 if quantized], visit table."""
-    dt = jnp.dtype(self.dtype)
+    """lhs, weight, [scale (G, n) float32 if quantized], [lhs row scales (m, 1) float32
+    with lhs_quant], visit table."""
     n_full = self.num_rhs * self.n_out
     w_shape = (self.groups, n_full, self.k) if self.transpose_rhs else (self.groups, self.k, n_full)
     scale = [jax.ShapeDtypeStruct((self.groups, n_full), jnp.float32)] if self.quantized else []
-    return [jax.ShapeDtypeStruct((self.m, self.k), dt),
+    if self.lhs_quant:
+      scale.append(jax.ShapeDtypeStruct((self.m, 1), jnp.float32))
+    return [jax.ShapeDtypeStruct((self.m, self.k), self.lhs_dtype),
             jax.ShapeDtypeStruct(w_shape, self.rhs_dtype), *scale,
             jax.ShapeDtypeStruct((self.table_size,), jnp.int32)]
 
@@ -219,7 +230,7 @@ class GmmCase:
     return R._NUM_FIELDS * R.max_visits(self.m, self.tiling().block_m, self.groups)
 
   def function(self, num_visits: int, interpret: bool = False):
-    """fn(lhs, weight, [scale,] table): the kernel over the first `num_visits` visits of the
+    """fn(lhs, weight, [scale,] [lhs scale,] table): the kernel over the first `num_visits` visits of the
     balanced table, with the table visible to the estimator.
 
     The visit table is an input (what `group_metadata(group_sizes)` returns), not built
@@ -230,6 +241,7 @@ class GmmCase:
 
     def fn(lhs, w, *rest):
       *scale, visit_table = rest
+      lhs_scale = scale.pop() if self.lhs_quant else None
       ops = lambda a: ([(a, 0), (a, self.n_out // t.block_n)]
                        if self.gated and not self.interleaved else [(a, 0)])
       metadata = lambda *args, **kwargs: (visit_table, jnp.int32(num_visits))
@@ -238,7 +250,7 @@ class GmmCase:
                            n_out=self.n_out, transpose_rhs=self.transpose_rhs,
                            epilogue=epilogue, out_dtype=self.result_dtype, chip=self.chip,
                            interpret=interpret, num_visits=num_visits,
-                           interleaved=self.interleaved)
+                           interleaved=self.interleaved, lhs_scale=lhs_scale)
 
     return fn
 
@@ -246,9 +258,10 @@ class GmmCase:
     return 2 * self.m * self.k * self.n_out * self.num_rhs
 
   def min_bytes(self) -> int:
-    item, w_item = jnp.dtype(self.dtype).itemsize, self.rhs_dtype.itemsize
+    item, w_item = self.lhs_dtype.itemsize, self.rhs_dtype.itemsize
     n_full = self.n_out * self.num_rhs
     scales = self.rows_groups * n_full * 4 if self.quantized else 0
+    scales += self.m * 4 if self.lhs_quant else 0
     return (item * self.m * self.k + w_item * self.rows_groups * self.k * n_full + scales +
             self.result_dtype.itemsize * self.m * self.n_out)
 
@@ -257,7 +270,7 @@ class GmmCase:
     block is fetched (or written back) whenever its block index changes between steps."""
     t, table = self.tiling(), self.table()
     visits = table.num_visits if num_visits is None else num_visits
-    item, w_item = jnp.dtype(self.dtype).itemsize, self.rhs_dtype.itemsize
+    item, w_item = self.lhs_dtype.itemsize, self.rhs_dtype.itemsize
     out_item = self.result_dtype.itemsize
     bm, bk, bn = t.block_m, t.block_k, t.block_n
     n_tiles, k_tiles = -(-self.n_out // bn), -(-self.k // bk)
@@ -274,6 +287,8 @@ class GmmCase:
         group, tile = int(table.value(R._GROUP, v)), int(table.value(R._TILE, v))
         for kk in range(k_tiles):
           touch("lhs", (tile, kk), bm * bk * item)
+          if self.lhs_quant:   # the (bm, 1) float32 row scales, lane-padded in HBM tiles
+            touch("lhs_scale", tile, bm * 4)
           for r in range(self.num_rhs):
             touch(f"rhs{r}", (group, j, kk), bn * bk * w_item)
             if self.quantized:   # the (1, bn) float32 scale row of the group
@@ -330,7 +345,8 @@ def gmm_case(case, chip: str) -> GmmCase:
   interleaved = case.model in INTERLEAVED_GATE_UP
   common = dict(chip=chip, dtype=case.dtype, weight_dtype=case.weight_dtype,
                 active_groups=case.active_groups if case.active_groups < case.groups else None,
-                transpose_rhs=not interleaved and not case.quantized)
+                transpose_rhs=not interleaved and not case.quantized,
+                lhs_quant=case.lhs_quant)
   if case.gated:
     weight_bytes = case.groups * case.k * case.n_weight * jnp.dtype(case.weight_dtype).itemsize
     route = R.gate_up_route(case.m, case.n_weight, "interleaved" if interleaved else
@@ -350,7 +366,9 @@ QUANT_EFFICIENCY_GOAL = 0.85
 
 def bf16_case_name(name: str) -> str:
   """The bf16 row a quantized row is compared with: same model, part and m."""
-  return name.replace(" int8 ", " bf16 ").replace(" fp8 ", " bf16 ")
+  for tag in (" int8 ", " fp8 ", " w8a8 "):
+    name = name.replace(tag, " bf16 ")
+  return name
 
 
 def quantized_decode_table(rows: list[dict], case_names) -> str:
@@ -440,17 +458,20 @@ def tpu_inference_gmm_table(rows: list[dict], case_names) -> str:
 
 
 if __name__ == "__main__":
-  # python benchmarks/ragged_estimate.py [--tpu-inference] [estimates.jsonl]: the quantized
-  # decode table (or the tpu-inference gmm table) of docs/performance.md.
+  # python benchmarks/ragged_estimate.py [--tpu-inference | --w8a8] [estimates.jsonl]: the
+  # quantized decode table (or the tpu-inference gmm table, or the int8-activation rows'
+  # table) of docs/performance.md.
   import json
   import headline
   args = sys.argv[1:]
-  versus_tpu_inference = "--tpu-inference" in args
-  args = [a for a in args if a != "--tpu-inference"]
+  versus_tpu_inference, w8a8 = "--tpu-inference" in args, "--w8a8" in args
+  args = [a for a in args if a not in ("--tpu-inference", "--w8a8")]
   path = Path(args[0]) if args else Path(__file__).resolve().parent / "results" / "estimates.jsonl"
   rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
   if versus_tpu_inference:
     print(tpu_inference_gmm_table(rows, [c.name for c in headline.QUANTIZED_DECODE]), end="")
+  elif w8a8:
+    print(quantized_decode_table(rows, [c.name for c in headline.W8A8_DECODE]), end="")
   else:
     print(quantized_decode_table(rows, [c.name for c in headline.QUANTIZED_DECODE
                                         if c.quantized]), end="")

@@ -6,6 +6,7 @@ import importlib
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -97,6 +98,22 @@ def test_quantized_decode_rows_and_their_bytes():
   assert x.min_bytes() == 512 * 4096 * 2 + 8 * (4096 * 28672 + 28672 * 4) + 512 * 14336 * 2
   g = headline.by_name("ragged_dot gpt-oss-20b down int8 m=64")
   assert (g.groups, g.k, g.n_weight, g.active_groups) == (32, 2880, 2880, 32)
+
+
+def test_w8a8_rows_pair_the_int8_rows():
+  """Each int8 row of QUANTIZED_DECODE has its w8a8 row (int8 activations, lhs_quant):
+  the same shapes and roofline (bf16 activations in), compared with the same bf16 row."""
+  import ragged_estimate
+  int8 = [c for c in headline.QUANTIZED_DECODE if c.weight_dtype == "int8"]
+  assert len(headline.W8A8_DECODE) == len(int8) == 12
+  for c, w in zip(int8, headline.W8A8_DECODE):
+    assert w.name == c.name.replace(" int8 ", " w8a8 ") and w.lhs_quant == "int8"
+    assert headline.by_name(w.name) is w
+    assert (w.flops(), w.min_bytes()) == (c.flops(), c.min_bytes())
+    assert ragged_estimate.bf16_case_name(w.name) == ragged_estimate.bf16_case_name(c.name)
+    gmm = ragged_estimate.gmm_case(w, "v6e")
+    assert gmm.lhs_quant == "int8" and gmm.lhs_dtype == jnp.int8
+    assert gmm.specs()[0].dtype == jnp.int8 and gmm.specs()[-2].shape == (w.m, 1)
 
 
 @pytest.mark.parametrize("seq,bq,bk", [(4096, 1024, 512), (4096, 512, 1024), (1000, 256, 128),
