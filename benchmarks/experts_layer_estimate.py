@@ -260,7 +260,11 @@ def _compile_glue(fn, specs, chip: str, kernel_fed: bool = False):
   return compiled, cost[0] if isinstance(cost, list) else cost
 
 
-def _glue_part(fn, specs, chip: str, min_bytes: int = 0, kernel_fed: bool = False) -> dict:
+def glue_part(fn, specs, chip: str, min_bytes: int = 0, kernel_fed: bool = False) -> dict:
+  """An XLA program `fn(*specs)` rated as compiled for the chip (the static profile on):
+  cycles = the sum of its ops' estimates, hbm_bytes = max(cost_analysis's bytes accessed,
+  min_bytes); ops, method, and the ops the estimator could not rate. The layer's glue, the
+  seed prediction's parts and estimate.py's row quantization use it."""
   compiled, cost = _compile_glue(fn, specs, chip, kernel_fed)
   ops = op_cycles(compiled.as_text())
   if not ops:
@@ -305,7 +309,7 @@ def rate_part(case: headline.ExpertsLayer, chip: str, part: str, fallback: bool)
                           f"{case.rows})")
     return rated
   glue = glue_programs(case, chip)[part]
-  rate_glue = glue_cost_analysis if fallback else _glue_part
+  rate_glue = glue_cost_analysis if fallback else glue_part
   return rate_glue(glue.fn, glue.specs, chip, glue.min_bytes, glue.kernel_fed)
 
 

@@ -57,7 +57,7 @@ bandwidth), parts summed (experts_layer_estimate's method, whose functions are i
     placeholder rows; the kernels' extra rows cost MXU time only, and the placeholder tiles'
     zero visits are not counted);
   * XLA glue (projections, router, the default's sort / gather / gate / combine): static
-    estimate of the compiled XLA ops, bytes from cost_analysis (`_glue_part`);
+    estimate of the compiled XLA ops, bytes from cost_analysis (`glue_part`);
   * XLA's ragged_dot: the static estimator crashes on it (as noted in docs/performance.md),
     so the two grouped_mm calls are rated by XLA's cost_analysis (optimal_seconds, bytes
     accessed), as the existing XLA baselines are: a lower bound for XLA.
@@ -384,7 +384,7 @@ def rate_part(layer: Layer, group: str, name: str, chip: str) -> dict:
   else:
     fn, specs, how = default_programs(layer, copy=group == "default")[name]
   if how == "glue":
-    return X._glue_part(fn, specs, chip)
+    return X.glue_part(fn, specs, chip)
   if how == "cost_analysis":
     part = X.glue_cost_analysis(fn, specs, chip)
     part["method"] = ("XLA cost_analysis (optimal_seconds, bytes accessed; a lower bound "

@@ -109,12 +109,22 @@ def _reference(p, lhs, rhs, scale, bias):
   return dict(activation_name=p["activation"], **common)
 
 
-def _check_forward(p):
+def _check_forward(p, lhs_quant=None):
+  """The kernel against the float64 grouped matmul. lhs_quant="int8" (int8 weights): against
+  that of the dequantized lhs (codes * row scale, `ref.quantize_rows_int8`), at lhs's
+  tolerance, with block_m a multiple of int8's 32 rows."""
+  if lhs_quant:
+    p = dict(p, quant="int8")
   lhs, rhs, scale, bias = _inputs(p)
-  fn = _call(p, lhs, rhs, scale, bias)
+  ref_lhs, extra = lhs, {}
+  if lhs_quant:
+    codes, row_scale = ref.quantize_rows_int8(lhs)
+    ref_lhs, extra = codes * row_scale, dict(lhs_quant=lhs_quant)
+    p = dict(p, **_legal(p, vmem.sublane_multiple(jnp.int8)))
+  fn = _call(p, lhs, rhs, scale, bias, **extra)
   out = fn(jnp.asarray(lhs), jnp.asarray(rhs), None if bias is None else jnp.asarray(bias))
   assert out.dtype == lhs.dtype
-  expected = ref.ragged_dot(lhs, rhs, p["sizes"], **_reference(p, lhs, rhs, scale, bias))
+  expected = ref.ragged_dot(ref_lhs, rhs, p["sizes"], **_reference(p, lhs, rhs, scale, bias))
   ref.assert_close(out, expected, ref.RAGGED_TOLERANCE[p["dtype"]], f"out {p}")
   # Rows of no local group are exact zeros, whatever the tolerance.
   ids = ref.local_row_groups(p["sizes"], p["offset"], p["num_local"], p["m"])
@@ -131,31 +141,14 @@ def test_gated_ragged_dot_matches_reference(p):
   _check_forward(p)
 
 
-def _check_int8_activations(p):
-  """lhs_quant="int8": the kernel's result against the float64 grouped matmul of the
-  dequantized lhs (codes * row scale, `ref.quantize_rows_int8`), at lhs's tolerance."""
-  p = dict(p, quant="int8")
-  lhs, rhs, scale, bias = _inputs(p)
-  codes, row_scale = ref.quantize_rows_int8(lhs)
-  p_int8 = dict(p, **_legal(p, vmem.sublane_multiple(jnp.int8)))
-  fn = _call(p_int8, lhs, rhs, scale, bias, lhs_quant="int8")
-  out = fn(jnp.asarray(lhs), jnp.asarray(rhs), None if bias is None else jnp.asarray(bias))
-  assert out.dtype == lhs.dtype
-  expected = ref.ragged_dot(codes * row_scale, rhs, p["sizes"],
-                            **_reference(p, lhs, rhs, scale, bias))
-  ref.assert_close(out, expected, ref.RAGGED_TOLERANCE[p["dtype"]], f"out {p}")
-  ids = ref.local_row_groups(p["sizes"], p["offset"], p["num_local"], p["m"])
-  assert not np.asarray(out, np.float64)[ids >= p["num_local"]].any()
-
-
 @given(problems())
 def test_int8_activations_match_reference(p):
-  _check_int8_activations(p)
+  _check_forward(p, lhs_quant="int8")
 
 
 @given(problems(gated=True))
 def test_gated_int8_activations_match_reference(p):
-  _check_int8_activations(p)
+  _check_forward(p, lhs_quant="int8")
 
 
 def test_quantize_rows_edges():
