@@ -230,8 +230,8 @@ class GmmCase:
     return R._NUM_FIELDS * R.max_visits(self.m, self.tiling().block_m, self.groups)
 
   def function(self, num_visits: int, interpret: bool = False):
-    """fn(lhs, weight, [scale,] [lhs scale,] table): the kernel over the first `num_visits` visits of the
-    balanced table, with the table visible to the estimator.
+    """fn(lhs, weight, [scale,] [lhs scale,] table): the kernel over the first
+    `num_visits` visits of the balanced table, with the table visible to the estimator.
 
     The visit table is an input (what `group_metadata(group_sizes)` returns), not built
     in the program: the estimator crashes on the small kernel that builds it."""
@@ -287,8 +287,8 @@ class GmmCase:
         group, tile = int(table.value(R._GROUP, v)), int(table.value(R._TILE, v))
         for kk in range(k_tiles):
           touch("lhs", (tile, kk), bm * bk * item)
-          if self.lhs_quant:   # the (bm, 1) float32 row scales, lane-padded in HBM tiles
-            touch("lhs_scale", tile, bm * 4)
+          if self.lhs_quant:   # the (bm, 1) float32 row scales, lane-padded to 128 in HBM
+            touch("lhs_scale", tile, bm * 128 * 4)
           for r in range(self.num_rhs):
             touch(f"rhs{r}", (group, j, kk), bn * bk * w_item)
             if self.quantized:   # the (1, bn) float32 scale row of the group

@@ -425,12 +425,11 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
   num_experts, has_gate, has_bias, is_transposed, act_fn, `_apply_gate`,
   has_post_expert_norm / post_expert_norm, gate_up_proj / up_proj, down_proj, their biases,
   and the scales and `lhs_quant` flag `quantize_experts_` stores. `experts_plan(self)` says
-  which route runs:
-  fused (the gate in the kernel's epilogue) or generic (the module's own gate, activation
-  or post-expert norm in torch between two ragged_dot calls). Ids outside [0, num_experts)
-  (expert-parallel placeholders, negative ids of dropped pairs) contribute nothing.
-  Differentiable on both routes, except with int8 activations (`lhs_quant`, fused route
-  only, inference only). Returns [T, H] in hidden_states' dtype.
+  which route runs: fused (the gate in the kernel's epilogue) or generic (the module's own
+  gate, activation or post-expert norm in torch between two ragged_dot calls). Ids outside
+  [0, num_experts) (expert-parallel placeholders, negative ids of dropped pairs) contribute
+  nothing. Differentiable on both routes, except with int8 activations (`lhs_quant`: fused
+  route only, inference only). Returns [T, H] in hidden_states' dtype.
   """
   op = "experts_forward"
   has_gate = bool(getattr(self, "has_gate", True))

@@ -205,7 +205,8 @@ def _experts_autograd(ctx, grad_out):
   if ctx.lhs_quant:
     raise NotImplementedError(
         f"experts: lhs_quant={ctx.lhs_quant!r} (int8 activations) is inference only: rounding "
-        "the activations has no gradient. Run under torch.no_grad(), or without it.")
+        "the activations has no gradient. Run it under torch.no_grad(), or clear the flag: "
+        "quantize_experts_(model, 'int8', activations='').")
   saved = ctx.saved_tensors
   _, _, _, gate_up, down, gate_up_bias, down_bias, _, _ = saved
   d_hidden, d_weights, d_gate_up, d_down, d_gu_bias, d_down_bias = experts_backward_op(
