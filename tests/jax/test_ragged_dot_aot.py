@@ -117,11 +117,17 @@ def test_quantized_weights_with_a_k_tail_compile(weight_dtype, chip):
     ("Qwen3 gate/up", 64, 2048, 768, 128, True, None),
     ("Qwen3 gate/up at prefill", 8192, 2048, 768, 128, True, None),
     ("gpt-oss down, k tail", 64, 2880, 2880, 32, False, (32, 1536, 1024)),
+    ("gpt-oss gate/up, interleaved: the gate pass", 64, 2880, 2880, 32, "interleaved", None),
+    ("gpt-oss gate/up, interleaved: lanes", 32768, 2880, 2880, 32, "interleaved", None),
 ])
 def test_int8_activations_compile(label, m, k, n, experts, gated, blocks, chip):
   """lhs_quant="int8" (int8 x int8 on the MXU, int32 products): one block of all k,
-  the gated epilogue at decode and prefill tiles, and split k with a masked int8 tail
-  into the int32 accumulator (forced: gpt-oss down, block_k 1536 over k = 2880)."""
+  the gated epilogue at decode and prefill tiles, split k with a masked int8 tail into
+  the int32 accumulator (forced: gpt-oss down, block_k 1536 over k = 2880), and gpt-oss's
+  interleaved gate/up by both of its routes (`gate_up_route`)."""
+  if gated == "interleaved":
+    route = R.gate_up_route(m, 2 * n, "interleaved", experts * k * 2 * n)
+    assert route == ("gate_pass" if m == 64 else "lanes"), route
   width = 2 * n if gated else n
   specs = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
            jax.ShapeDtypeStruct((experts, k, width), jnp.int8),
@@ -130,14 +136,17 @@ def test_int8_activations_compile(label, m, k, n, experts, gated, blocks, chip):
   block_m, block_k, block_n = blocks or (None, None, None)
   call = R.gated_ragged_dot if gated else R.ragged_dot
 
+  layout = dict(layout="interleaved") if gated == "interleaved" else {}
+
   def fn(x, w, group_sizes, scale):
     return call(x, w, group_sizes, rhs_scale=scale, chip=chip, lhs_quant="int8",
-                block_m=block_m, block_k=block_k, block_n=block_n)
+                block_m=block_m, block_k=block_k, block_n=block_n, **layout)
 
   report = aot.compile_for_chip(fn, specs, chip)
   assert report.ok, f"{label} on {chip}: {report.error}"
   matmuls = [n for n in report.kernel_names if R.VISIT_TABLE_KERNEL not in n]
-  assert len(matmuls) == 1, report
+  # the gate pass is a small kernel of its own after the plain matmul
+  assert len(matmuls) == (2 if gated == "interleaved" and m == 64 else 1), report
 
 
 def _tuned_program(entry) -> Program:
