@@ -130,6 +130,32 @@ def test_quantized_rhs(ragged, qdtype):
                    **GRAD_TOL["float32"])
 
 
+def test_int8_activations(ragged):
+  """lhs_quant="int8" with int8 rhs: the float64 product of the rows quantized by the
+  definition (reference_moe.quantize_row_int8) and the dequantized weights, at float32's
+  tolerance (the unquantized product is ~1e-2 away); no gradient; bad input raises."""
+  gen = torch.Generator().manual_seed(3)
+  lhs = torch.randn(9, 32, generator=gen)
+  w = torch.randn(3, 32, 16, generator=gen)
+  scale = w.abs().amax(dim=1) / 127.0
+  q = (w / scale[:, None, :]).round().to(torch.int8)
+  sizes = torch.tensor([4, 0, 3], dtype=torch.int32)
+  out = ragged.ragged_dot(lhs, q, sizes, rhs_scale=scale, lhs_quant="int8")
+  rows = torch.stack([torch.as_tensor(ref.quantize_row_int8(r)) for r in lhs])
+  want = ref.ragged_dot(rows, q, [4, 0, 3], rhs_scale=scale)
+  ref.assert_close(out, want, **TOL["float32"])
+  plain = ref.ragged_dot(lhs, q, [4, 0, 3], rhs_scale=scale)
+  assert abs(want - plain).max() > 20 * TOL["float32"]["atol"] * abs(plain).max()
+  with pytest.raises(NotImplementedError, match="inference only"):
+    ragged.ragged_dot(lhs.requires_grad_(), q, sizes, rhs_scale=scale,
+                      lhs_quant="int8").sum().backward()
+  with pytest.raises(TypeError, match="must be int8"):
+    ragged.ragged_dot(lhs.detach(), q.to(torch.float8_e4m3fn), sizes, rhs_scale=scale,
+                      lhs_quant="int8")
+  with pytest.raises(ValueError, match="lhs_quant"):
+    ragged.ragged_dot(lhs.detach(), q, sizes, rhs_scale=scale, lhs_quant="int4")
+
+
 def test_out_dtype_float32_from_bfloat16(ragged):
   lhs = torch.randn(5, 16).to(torch.bfloat16)
   rhs = torch.randn(2, 16, 8).to(torch.bfloat16)
@@ -152,12 +178,15 @@ def test_opcheck(ragged_ops, requires_grad):
   rhs = torch.randn(3, 8, 16, generator=gen, requires_grad=requires_grad)
   bias = torch.randn(3, 8, generator=gen, requires_grad=requires_grad)
   sizes = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
-  opcheck(ragged_ops.ragged_dot_op, (lhs, rhs, sizes, None, bias, 1, True, "silu", ""))
+  opcheck(ragged_ops.ragged_dot_op, (lhs, rhs, sizes, None, bias, 1, True, "silu", "", ""))
   opcheck(ragged_ops.ragged_dot_op, (lhs, rhs.transpose(1, 2).contiguous(), sizes[:3], None,
-                                     None, 0, False, "identity", "float32"))
+                                     None, 0, False, "identity", "float32", ""))
   q = torch.randint(-127, 128, (3, 16, 8), dtype=torch.int8, generator=gen)
   opcheck(ragged_ops.ragged_dot_op, (lhs, q, sizes[:3], torch.rand(3, 8, generator=gen), None,
-                                     0, False, "identity", ""))
+                                     0, False, "identity", "", ""))
+  if not requires_grad:   # int8 activations: forward only
+    opcheck(ragged_ops.ragged_dot_op, (lhs, q, sizes[:3], torch.rand(3, 8, generator=gen),
+                                       None, 0, False, "silu", "", "int8"))
   g = torch.randn(7, 8, generator=gen)
   opcheck(ragged_ops.ragged_dot_backward_op, (lhs.detach(), rhs.detach(), sizes, None,
                                               bias.detach(), g, 1, True, "silu", ""))

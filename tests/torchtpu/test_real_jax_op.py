@@ -142,10 +142,10 @@ def _rms(k, t, fused):
   return [k.rms_norm(x, w, 1e-6)]
 
 
-def _ragged_dot(k, t, *, quantized=None, bias=False):
+def _ragged_dot(k, t, *, quantized=None, bias=False, lhs_quant=None):
   lhs = t((64, 128), torch.bfloat16)
   rhs = t((4, 256, 128), quantized or torch.bfloat16)
-  kwargs = dict(transpose_rhs=True)
+  kwargs = dict(transpose_rhs=True, lhs_quant=lhs_quant)
   if quantized:
     kwargs["rhs_scale"] = t((4, 256), torch.float32)
   if bias:
@@ -219,6 +219,9 @@ CASES = {
     "ragged_dot int8": ("ragged", lambda k, t: _ragged_dot(k, t, quantized=torch.int8), True),
     "ragged_dot fp8": ("ragged", lambda k, t: _ragged_dot(k, t, quantized=torch.float8_e4m3fn),
                        True),
+    # int8 activations too: inference only (its backward raises by design)
+    "ragged_dot w8a8": ("ragged", lambda k, t: _ragged_dot(k, t, quantized=torch.int8,
+                                                           lhs_quant="int8"), False),
     "experts silu": ("ragged", lambda k, t: _experts(k, t, "silu"), True),
     "experts gpt_oss (bias, clamped gate)": ("ragged", lambda k, t: _experts(k, t, "gpt_oss"),
                                              True),

@@ -2,7 +2,8 @@
 tensors on TPU (TorchTPU) or CPU.
 
     ragged_dot(lhs, rhs, group_sizes, *, group_offset=0, transpose_rhs=False,
-               rhs_scale=None, bias=None, activation=None, out_dtype=None) -> out [m, n]
+               rhs_scale=None, bias=None, activation=None, out_dtype=None,
+               lhs_quant=None) -> out [m, n]
     experts_forward(self, hidden_states, top_k_index, top_k_weights) -> [T, H]
         (for transformers' ALL_EXPERTS_FUNCTIONS.register("tpu_ragged_dot", ...))
     quantize_experts_(model, dtype="int8" | "float8_e4m3fn", activations=None | "int8")
@@ -80,7 +81,8 @@ def ragged_dot(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, 
                group_offset: int = 0, transpose_rhs: bool = False,
                rhs_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                activation: str | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None,
+               lhs_quant: str | None = None) -> torch.Tensor:
   """Grouped matmul: out[rows of group g] = act(lhs[rows] @ rhs[g - group_offset] * scale + bias).
 
   Args:
@@ -94,9 +96,11 @@ def ragged_dot(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, 
     bias: [G_local, n], added after the scale, before the activation.
     activation: None or one of SUPPORTED_ACTIVATIONS, applied in the kernel's epilogue.
     out_dtype: torch.float32 / torch.bfloat16; default lhs's dtype.
+    lhs_quant: None, or "int8" with int8 rhs: lhs quantized per row (scale = max|row| /
+      127) and multiplied int8 by int8 (W8A8; inference only, no gradient).
   Returns:
     [m, n]; rows in no local group are zero. Differentiable in lhs, float rhs and bias
-    (quantized weights are frozen).
+    (quantized weights are frozen), but not with lhs_quant.
   """
   op = "ragged_dot"
   validation.check_tensor(op, "lhs", lhs)
@@ -131,6 +135,7 @@ def ragged_dot(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, 
   if out_dtype is not None and out_dtype not in COMPUTE_DTYPES:
     raise TypeError(f"{op}: out_dtype must be None, torch.float32 or torch.bfloat16, got "
                     f"{out_dtype}")
+  _check_lhs_quant(op, lhs_quant, {"rhs": rhs})
   device_type = _shim.device_type_of(op, {"lhs": lhs, "rhs": rhs, "group_sizes": group_sizes,
                                           "rhs_scale": rhs_scale, "bias": bias})
   if device_type == "cpu" and not torch.compiler.is_compiling():
@@ -144,7 +149,19 @@ def ragged_dot(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor, 
                        None if rhs_scale is None else rhs_scale.contiguous(),
                        None if bias is None else bias.contiguous(), group_offset, transpose_rhs,
                        activation or "identity",
-                       "" if out_dtype is None else dtype_name(out_dtype))
+                       "" if out_dtype is None else dtype_name(out_dtype), lhs_quant or "")
+
+
+def _check_lhs_quant(op: str, lhs_quant: str | None, weights: dict[str, torch.Tensor]) -> None:
+  """lhs_quant is None / "" or one of _LHS_QUANTS, and then every weight is int8."""
+  if not lhs_quant:
+    return
+  if lhs_quant not in _LHS_QUANTS:
+    raise ValueError(f"{op}: lhs_quant must be None or one of {_LHS_QUANTS}, got {lhs_quant!r}")
+  others = {name: dtype_name(w.dtype) for name, w in weights.items() if w.dtype != torch.int8}
+  if others:
+    raise TypeError(f"{op}: lhs_quant={lhs_quant!r} multiplies int8 by int8: the weights must "
+                    f"be int8 (with their scales), got {others}")
 
 
 # ------------------------------------------------------------------ Transformers experts
@@ -481,13 +498,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
   _shim.device_type_of(op, {"hidden_states": hidden_states, "top_k_index": top_k_index,
                             "top_k_weights": top_k_weights, up_name: gate_up, "down_proj": down})
 
-  if lhs_quant:
-    if lhs_quant not in _LHS_QUANTS:
-      raise ValueError(f"{op}: lhs_quant must be one of {_LHS_QUANTS}, got {lhs_quant!r}")
-    if not gate_up.dtype == down.dtype == torch.int8:
-      raise TypeError(f"{op}: lhs_quant={lhs_quant!r} multiplies int8 by int8: both expert "
-                      f"weights must be int8 (quantize_experts_(model, 'int8')), got "
-                      f"{dtype_name(gate_up.dtype)} and {dtype_name(down.dtype)}")
+  _check_lhs_quant(op, lhs_quant, {up_name: gate_up, "down_proj": down})
   plan = experts_plan(self)
   if plan.route == "generic" and lhs_quant:
     raise NotImplementedError(

@@ -3,7 +3,7 @@
 Ops, in the namespace of this build (`_ops.NAMESPACE`, unique per kernel and version):
 
   ragged_dot(lhs, rhs, group_sizes, rhs_scale?, bias?, group_offset, transpose_rhs,
-             activation, out_dtype) -> out [m, n]
+             activation, out_dtype, lhs_quant) -> out [m, n]
   ragged_dot_backward(lhs, rhs, group_sizes, rhs_scale?, bias?, grad_out, ...)
       -> (grad_lhs, grad_rhs, grad_bias)
   experts(hidden, top_k_index, top_k_weights, gate_up, down, gate_up_bias?, down_bias?,
@@ -18,8 +18,8 @@ from the backward ops as empty (0,) tensors and reach autograd as None. The forw
 ops are differentiable through the backward ops (first order only); the backward
 JAX functions recompute the forward under jax.vjp, so the Pallas backward kernels run.
 `out_dtype` is a dtype name ("float32", "bfloat16") or "" for lhs's dtype. `lhs_quant` is
-"" or "int8" (int8 activations as well as weights: inference only, so the experts op
-refuses a gradient with it).
+"" or "int8" (int8 activations as well as weights: inference only, so ragged_dot and
+experts refuse a gradient with it; their backward ops do not take it).
 """
 
 from __future__ import annotations
@@ -89,32 +89,41 @@ ragged_dot_backward_op = _shim.custom_op_once(
 def _ragged_forward_impl(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor,
                          rhs_scale: torch.Tensor | None, bias: torch.Tensor | None,
                          group_offset: int, transpose_rhs: bool, activation: str,
-                         out_dtype: str) -> torch.Tensor:
+                         out_dtype: str, lhs_quant: str) -> torch.Tensor:
   tensors = {"lhs": lhs, "rhs": rhs, "group_sizes": group_sizes,
              "rhs_scale": _or_empty(rhs_scale, lhs), "bias": _or_empty(bias, lhs)}
   return _ragged_forward(tensors, group_offset=group_offset, transpose_rhs=transpose_rhs,
-                         activation=activation, out_dtype=out_dtype)
+                         activation=activation, out_dtype=out_dtype, lhs_quant=lhs_quant)
 
 
 def _ragged_forward_fake(lhs, rhs, group_sizes, rhs_scale, bias, group_offset, transpose_rhs,
-                         activation, out_dtype):
+                         activation, out_dtype, lhs_quant):
   return lhs.new_empty((lhs.shape[0], _out_width(rhs, transpose_rhs)),
                        dtype=_out_dtype(lhs, out_dtype))
 
 
 def _ragged_setup_context(ctx, inputs, output):
-  lhs, rhs, group_sizes, rhs_scale, bias, *statics = inputs
+  lhs, rhs, group_sizes, rhs_scale, bias, *statics, lhs_quant = inputs
   ctx.save_for_backward(lhs, rhs, group_sizes, rhs_scale, bias)
-  ctx.statics = statics
+  ctx.statics, ctx.lhs_quant = statics, lhs_quant
+
+
+def _no_gradient_with_int8_activations(op: str, lhs_quant: str) -> None:
+  if lhs_quant:
+    raise NotImplementedError(
+        f"{op}: lhs_quant={lhs_quant!r} (int8 activations) is inference only: rounding the "
+        "activations has no gradient. Run it under torch.no_grad(), or without lhs_quant "
+        "(for experts: quantize_experts_(model, 'int8', activations='')).")
 
 
 def _ragged_autograd(ctx, grad_out):
+  _no_gradient_with_int8_activations("ragged_dot", ctx.lhs_quant)
   lhs, rhs, group_sizes, rhs_scale, bias = ctx.saved_tensors
   d_lhs, d_rhs, d_bias = ragged_dot_backward_op(lhs, rhs, group_sizes, rhs_scale, bias,
                                                 grad_out.contiguous(), *ctx.statics)
   d_rhs = None if rhs.dtype in QUANTIZED_DTYPES else d_rhs
   d_bias = None if bias is None else d_bias
-  return d_lhs, d_rhs, None, None, d_bias, None, None, None, None
+  return d_lhs, d_rhs, None, None, d_bias, None, None, None, None, None
 
 
 def _setup_ragged(op):
@@ -202,11 +211,7 @@ def _experts_setup_context(ctx, inputs, output):
 
 
 def _experts_autograd(ctx, grad_out):
-  if ctx.lhs_quant:
-    raise NotImplementedError(
-        f"experts: lhs_quant={ctx.lhs_quant!r} (int8 activations) is inference only: rounding "
-        "the activations has no gradient. Run it under torch.no_grad(), or clear the flag: "
-        "quantize_experts_(model, 'int8', activations='').")
+  _no_gradient_with_int8_activations("experts", ctx.lhs_quant)
   saved = ctx.saved_tensors
   _, _, _, gate_up, down, gate_up_bias, down_bias, _, _ = saved
   d_hidden, d_weights, d_gate_up, d_down, d_gu_bias, d_down_bias = experts_backward_op(

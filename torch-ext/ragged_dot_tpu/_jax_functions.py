@@ -45,19 +45,21 @@ def _out_dtype(name: str):
 
 
 def _ragged_dot(lhs, rhs, bias, group_sizes, rhs_scale, group_offset, transpose_rhs,
-                activation, out_dtype, chip, interpret):
+                activation, out_dtype, chip, interpret, lhs_quant=""):
   return kernel.ragged_dot(lhs, rhs, group_sizes, group_offset=group_offset,
                            transpose_rhs=transpose_rhs, rhs_scale=rhs_scale, bias=bias,
                            activation=_activation(activation), out_dtype=_out_dtype(out_dtype),
-                           chip=chip, interpret=interpret)
+                           chip=chip, interpret=interpret, lhs_quant=lhs_quant or None)
 
 
 def ragged_dot_forward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                        rhs_scale: jax.Array, bias: jax.Array, group_offset: int,
-                       transpose_rhs: bool, activation: str, out_dtype: str, chip: str,
-                       interpret: bool) -> jax.Array:
+                       transpose_rhs: bool, activation: str, out_dtype: str, lhs_quant: str,
+                       chip: str, interpret: bool) -> jax.Array:
+  """lhs_quant: "" or "int8" (forward only: ragged_dot_backward runs without it, and the
+  torch op refuses a gradient with it)."""
   return _ragged_dot(lhs, rhs, _opt(bias), group_sizes, _opt(rhs_scale), group_offset,
-                     transpose_rhs, activation, out_dtype, chip, interpret)
+                     transpose_rhs, activation, out_dtype, chip, interpret, lhs_quant)
 
 
 def ragged_dot_backward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
