@@ -578,25 +578,22 @@ def quantize_experts_(model: torch.nn.Module, dtype: str = "int8",
         raise ValueError(f"quantize_experts_: activations={activations!r} needs int8 expert "
                          f"weights; {type(module).__name__}'s are already "
                          f"{dtype_name(getattr(module, names[0]).dtype)}")
-      if activations is not None:
-        module.lhs_quant = activations
-      count += 1
-      continue
-    if any(quantized):   # one layout flag covers both weights: never half-converted
+    elif any(quantized):   # one layout flag covers both weights: never half-converted
       raise ValueError(f"quantize_experts_: {type(module).__name__} has one quantized and one "
                        f"float expert weight; quantize both or neither")
-    transposed = bool(getattr(module, "is_transposed", False))
-    for name in names:
-      q, scale = _quantize(getattr(module, name), 2 if transposed else 1, dtype)
-      if not transposed:
-        q = q.transpose(1, 2).contiguous()   # [E, out, in] -> [E, in, out]
-      if name in module._parameters:
-        del module._parameters[name]
-      else:
-        delattr(module, name)
-      module.register_buffer(name, q)
-      module.register_buffer(f"{name}_scale", scale)
-    module.is_transposed = True
+    else:
+      transposed = bool(getattr(module, "is_transposed", False))
+      for name in names:
+        q, scale = _quantize(getattr(module, name), 2 if transposed else 1, dtype)
+        if not transposed:
+          q = q.transpose(1, 2).contiguous()   # [E, out, in] -> [E, in, out]
+        if name in module._parameters:
+          del module._parameters[name]
+        else:
+          delattr(module, name)
+        module.register_buffer(name, q)
+        module.register_buffer(f"{name}_scale", scale)
+      module.is_transposed = True
     if activations is not None:
       module.lhs_quant = activations
     count += 1
