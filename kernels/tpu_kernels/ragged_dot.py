@@ -340,7 +340,8 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
   """Tiles of the forward kernel: out (m, n) per rhs operand from lhs (m, k).
 
   VMEM plan: double-buffered lhs, rhs (x num_rhs), out, scale and bias blocks (and an int8
-  lhs's row scales), the f32 accumulators, and f32 temporaries (dot result, epilogue). With no block or limit given,
+  lhs's row scales), the f32 accumulators (none where one k block covers k), and f32
+  temporaries (dot result, epilogue). With no block or limit given,
   the tuning table's blocks (`tuned_blocks`) when the call's bucket has an entry the kernel
   accepts (the scoped-VMEM limit is raised to its plan if need be, up to the chip's
   maximum); otherwise the heuristic (`_best_blocks`). `n_must_divide`: block_n must divide
@@ -360,7 +361,9 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
     total = 2 * bm_p * bk_p * lb + 2 * bm_p * bn_p * ob
     total += num_rhs * 2 * vmem.round_up(bk, rsub) * bn_p * rb
     total += num_rhs * 2 * 2 * 8 * bn_p * 4                 # scale, bias blocks
-    total += num_rhs * 2 * bm_p * bn_p * 4                   # accumulator + dot result
+    # the dot result, and the float32 accumulator unless one k block covers k (the
+    # kernel's single-k path keeps no accumulator: `_gmm_kernel`)
+    total += num_rhs * (1 if bk >= k else 2) * bm_p * bn_p * 4
     total += 3 * bm_p * bn_p * 4                             # epilogue temporaries
     if interleaved:   # `_deinterleave_lanes`: the gathered halves, float32
       total += 2 * bm_p * bn_p * 4
