@@ -310,8 +310,13 @@ TUNED_BLOCKS = tuning_tables.load("ragged_dot", TuningKey, TUNED_VALUE_FIELDS)
 def tuning_key(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs,
                chip, interleaved=False) -> TuningKey | None:
   """The table key of a forward call, or None when the output's dtype is neither lhs's
-  nor float32, or the weights' dtype is neither lhs's nor a quantized one."""
+  nor float32, or the weights' dtype is neither lhs's nor a quantized one. An int8 lhs
+  (`lhs_quant`) with int8 weights and a bfloat16 output is keyed as bfloat16 rows."""
   lhs, rhs, out = (np.dtype(d).name for d in (lhs_dtype, rhs_dtype, out_dtype))
+  if lhs == "int8" and rhs == "int8" and out == "bfloat16":
+    # int8 rows (lhs_quant) take the tiles tuned for the bf16 rows they were quantized
+    # from: the same weight traffic per visit, half the row bytes (the plan checks the fit)
+    lhs = out
   f32_out = out == "float32" and lhs != "float32"
   if (out != lhs and not f32_out) or (rhs != lhs and rhs not in QUANTIZED_DTYPE_NAMES):
     return None

@@ -135,6 +135,26 @@ def test_outside_the_table_the_heuristic_decides():
     assert _tiling(key, 8192) == want
 
 
+@pytest.mark.parametrize("entry", [e for e in sorted(TABLE) if e[1:3] == ("bfloat16", "int8")
+                                    and not R.TuningKey(*e).f32_out],
+                         ids=lambda e: "-".join(map(str, e)))
+def test_int8_rows_take_the_tiles_of_their_bf16_rows(entry):
+  """lhs_quant="int8": the rows quantized from bf16 rows, with the same int8 weights and a
+  bf16 output, take that call's tuned tiles (the same weight traffic per visit)."""
+  key = R.TuningKey(*entry)
+  assert R.tuning_key(key.m_bucket, key.k, key.n, num_groups=key.num_groups,
+                      lhs_dtype=jnp.int8, rhs_dtype=jnp.int8, out_dtype=BF16,
+                      num_rhs=key.num_rhs, chip=key.chip) == key
+  t = R.gmm_tiling(key.m_bucket, key.k, key.n, num_groups=key.num_groups, lhs_dtype=jnp.int8,
+                   rhs_dtype=jnp.int8, out_dtype=BF16, num_rhs=key.num_rhs,
+                   n_must_divide=key.n_must_divide, chip=key.chip)
+  assert _blocks(t) == TABLE[entry]
+  # int8 rows with a float32 output (no such call was tuned) take no tuned tiles
+  assert R.tuned_blocks(key.m_bucket, key.k, key.n, num_groups=key.num_groups,
+                        lhs_dtype=jnp.int8, rhs_dtype=jnp.int8, out_dtype=jnp.float32,
+                        num_rhs=key.num_rhs, chip=key.chip) is None
+
+
 def test_table_is_built_from_the_rated_heuristic_and_a_gain():
   """An entry needs the heuristic's pick rated, a gain of at least 1% at unaligned
   routing, and no loss at balanced routing; an unrated candidate cannot win."""
