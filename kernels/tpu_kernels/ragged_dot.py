@@ -339,6 +339,12 @@ def _resolve_limit(chip, plan_bytes_min, vmem_limit_bytes):
   return limit, int(limit * vmem.BUDGET_FRACTION)
 
 
+def _one_k_block(k: int, block_k: int) -> bool:
+  """Whether one k block covers the contraction: the kernel then keeps no float32
+  accumulator (`_gmm_kernel`'s single-k path), and `gmm_tiling`'s plan reserves none."""
+  return block_k >= k
+
+
 def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=1,
                n_must_divide=None, chip=chips.DEFAULT_CHIP, block_m=None, block_k=None,
                block_n=None, vmem_limit_bytes=None, interleaved=False) -> Tiling:
@@ -368,7 +374,7 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
     total += num_rhs * 2 * 2 * 8 * bn_p * 4                 # scale, bias blocks
     # the dot result, and the float32 accumulator unless one k block covers k (the
     # kernel's single-k path keeps no accumulator: `_gmm_kernel`)
-    total += num_rhs * (1 if bk >= k else 2) * bm_p * bn_p * 4
+    total += num_rhs * (1 if _one_k_block(k, bk) else 2) * bm_p * bn_p * 4
     total += 3 * bm_p * bn_p * 4                             # epilogue temporaries
     if interleaved:   # `_deinterleave_lanes`: the gathered halves, float32
       total += 2 * bm_p * bn_p * 4
@@ -807,7 +813,7 @@ def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: T
   # One k block: the product goes straight to the epilogue, with no float32 accumulator
   # to zero, add into and read back (v6e, Qwen3 down at m=64: 1,892 -> 1,867 cycles per
   # visit for int8 weights, 1,702 -> 1,677 for fp8, the HBM floor being 1,678).
-  single_k = tiles_k == 1
+  single_k = _one_k_block(k, bk)
   num_v = max_visits(m, bm, g_local)
   table, visits = group_metadata(group_sizes, group_offset, num_local_groups=g_local, m=m,
                                  block_m=bm, num_k_tiles=tiles_k, zero_visits=True,
