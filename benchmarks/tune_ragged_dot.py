@@ -4,10 +4,12 @@
                                          [--retry-failed] [--summary]
 
 Grid (`MODELS_BY_CHIP`): the headline model's expert shapes (Qwen3-30B-A3B) and those
-of benchmarks/ragged_survey.py's models on which the heuristic tiling rated below 0.95
-of the roofline or behind XLA's ragged_dot on v6e (Mixtral-8x7B, Qwen3-235B-A22B,
-DeepSeek-V3); on v5e the first two only (the other two were not rated there for lack of
-time). Gate/up (gated, silu) and down, at m = 512 and 8192 rows (`ROWS`), and for the
+of benchmarks/ragged_survey.py's models (Mixtral-8x7B, Qwen3-235B-A22B, DeepSeek-V3,
+OLMoE-1B-7B), on both chips. The first four were chosen where the heuristic tiling rated
+below 0.95 of the roofline or behind XLA's ragged_dot on v6e; since 2026-12-06 every
+survey model is in the grid on both chips, because at unaligned routing the heuristic's
+split-k tiles refetch the weights at every visit (v5e's 16 MiB default scoped limit makes
+it split k at most of these shapes). Gate/up (gated, silu) and down, at m = 512 and 8192 rows (`ROWS`), and for the
 headline model 65536 too (`ROWS_BY_MODEL`), bf16. And with int8 and float8_e4m3fn
 weights (bf16 activations, weights [G, k, n] and their scale, as `quantize_experts_`
 stores them; the key's `weight_dtype`), the quantized decode rows whose heuristic tiling
@@ -93,8 +95,9 @@ from tpu_kernels import chips, ragged_dot as R, vmem  # noqa: E402
 import headline  # noqa: E402
 import ragged_estimate  # noqa: E402
 
-MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3", "gpt-oss-20b")
-MODELS_BY_CHIP = {"v5e": ("qwen3-30b-a3b", "mixtral-8x7b"), "v6e": MODELS[:4]}
+MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3", "olmoe-1b-7b",
+          "gpt-oss-20b")
+MODELS_BY_CHIP = {"v5e": MODELS[:5], "v6e": MODELS[:5]}
 CHIPS = tuple(MODELS_BY_CHIP)
 ROWS = (512, 8192)
 # The headline model also at a long prefill's rows (8192 tokens x top-8 experts).
