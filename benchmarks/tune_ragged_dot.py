@@ -14,15 +14,17 @@ headline model 65536 too (`ROWS_BY_MODEL`), bf16. And with int8 and float8_e4m3f
 weights (bf16 activations, weights [G, k, n] and their scale, as `quantize_experts_`
 stores them; the key's `weight_dtype`), the quantized decode rows whose heuristic tiling
 missed 0.85 of the quantized roofline: Mixtral-8x7B at m = 512 on both chips
-(`QUANTIZED_ROWS_BY_MODEL`). There the heuristic stays under the default scoped-VMEM
-limit and takes narrow n blocks, and the activations are re-read once per n block.
+(`QUANTIZED_ROWS_BY_MODEL`). There the heuristic then stayed under the default
+scoped-VMEM limit and took narrow n blocks, and the activations were re-read once per n
+block (since 2026-12-06 it takes one k block under up to 64 MiB where k fits one:
+`ragged_dot._one_k_block_tiling`).
 And gpt-oss-20b's gate/up at the experts layer's prefill (8192 tokens x top-4 = 32768
 rows) on both chips (`INTERLEAVED_ROWS_BY_MODEL`): its interleaved columns take the
 "lanes" kernel (2 x block_n weight columns per tile, de-interleaved in the epilogue), a
 key of its own (`TuningKey.interleaved`). And the experts layer's down projection at
 those prefill rows (65536 for Qwen3-30B-A3B, 32768 for gpt-oss-20b), which writes
 float32 for the combine (`F32_OUT_ROWS_BY_MODEL`, key `TuningKey.f32_out`). There too
-the heuristic stays under the default limit and splits k: (512, 512, 256) for gpt-oss's
+the heuristic then stayed under the default limit and split k: (512, 512, 256) for gpt-oss's
 gate/up on v5e.
 
 Two routings. The headline rates the kernel at *balanced* routing: every group m / G

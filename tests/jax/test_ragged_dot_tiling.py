@@ -238,6 +238,51 @@ def test_one_byte_weights_get_a_block_k_that_divides_k(chip, m, k, n):
     assert k % R.gmm_tiling(m, k, n, rhs_dtype=BF16, **common).block_k   # a tail for bf16
 
 
+@pytest.mark.parametrize("chip, experts, k, n, m, weights, out, blocks", [
+    ("v6e", 256, 2048, 7168, 65536, BF16, BF16, (256, 2048, 1024)),
+    ("v6e", 128, 768, 2048, 65536, jnp.int8, BF16, (512, 768, 1024)),
+    ("v5e", 64, 1024, 2048, 8192, BF16, jnp.float32, (128, 1024, 1024)),
+], ids=["DeepSeek-V3-down", "Qwen3-30B-A3B-down-int8", "OLMoE-1B-7B-down-f32-out"])
+def test_one_k_block_plans_count_no_accumulator(chip, experts, k, n, m, weights, out, blocks):
+  """Where one k block covers k the kernel keeps no float32 accumulator, and the VMEM plan
+  counts none. Under the chip's default scoped limit, given by the caller (which keeps the
+  heuristic within it), these down projections fit their block_n only by that: with an
+  accumulator the plan took block_n 512."""
+  limit = chips.get_chip(chip).default_scoped_vmem_bytes
+  t = R.gmm_tiling(m, k, n, num_groups=experts, lhs_dtype=BF16, rhs_dtype=weights,
+                   out_dtype=out, chip=chip, vmem_limit_bytes=limit)
+  assert _blocks(t) == blocks and t.vmem_limit_bytes == limit, t
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_outside_the_table_one_k_block_under_a_raised_limit(chip):
+  """Outside the table the heuristic takes one k block wherever a scoped limit of up to
+  _ONE_K_BLOCK_MAX_LIMIT holds one (`_one_k_block_tiling`). Under the default limit it
+  split k: Mixtral-8x7B's gate/up at decode on both chips (block_k 1536 on v5e, 1024 on
+  v6e), Qwen3-30B-A3B's on v5e (1024). The tiling is the one a caller gets by asking for
+  its blocks. A k beyond MAX_BLOCK_K (Mixtral's down, k = 14336) is still cut, under the
+  default limit."""
+  chip_ = chips.get_chip(chip)
+  common = dict(lhs_dtype=BF16, rhs_dtype=BF16, out_dtype=BF16, chip=chip)
+  for m, k, n, groups, num_rhs in [(64, 4096, 14336, 8, 2), (64, 2048, 768, 128, 2),
+                                   (65536, 2048, 7168, 256, 1)]:
+    shape = dict(num_groups=groups, num_rhs=num_rhs, n_must_divide=n if num_rhs == 2 else None,
+                 **common)
+    with mock.patch.dict(R.TUNED_BLOCKS, clear=True):
+      t = R.gmm_tiling(m, k, n, **shape)
+      assert t.block_k == k, (m, k, n, t)
+      assert t.vmem_plan_bytes <= vmem.vmem_budget(chip_, t.vmem_limit_bytes)
+      assert t.vmem_limit_bytes <= min(chip_.max_vmem_limit_bytes, R._ONE_K_BLOCK_MAX_LIMIT)
+      assert R.gmm_tiling(m, k, n, block_m=t.block_m, block_k=k, block_n=t.block_n,
+                          **shape) == t
+  mixtral_gate_up = R.gmm_tiling(64, 4096, 14336, num_groups=8, num_rhs=2,
+                                 n_must_divide=14336, **common)
+  assert mixtral_gate_up.vmem_limit_bytes > chip_.default_scoped_vmem_bytes
+  mixtral_down = R.gmm_tiling(64, 14336, 4096, num_groups=8, **common)
+  assert mixtral_down.block_k < 14336
+  assert mixtral_down.vmem_limit_bytes == chip_.default_scoped_vmem_bytes
+
+
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
 @pytest.mark.parametrize("weights, out", [(BF16, BF16), (BF16, jnp.float32), (jnp.int8, BF16),
                                           (jnp.float8_e4m3fn, BF16)],
@@ -245,8 +290,8 @@ def test_one_byte_weights_get_a_block_k_that_divides_k(chip, m, k, n):
 def test_an_n_that_every_lane_block_pads_takes_the_whole_weight(chip, weights, out):
   """gpt-oss-20b's down at decode (n = 2880 = 22.5 x 128; m = 256 over 32 experts): no lane
   block divides n, so each visit takes the whole weight under a raised limit, the tiling a
-  caller gets by asking for those blocks. Qwen3's down (n = 2048) keeps a dividing block and
-  the default limit; an n whose whole weight the chip cannot hold keeps the padded block."""
+  caller gets by asking for those blocks. An n of 2048 keeps a dividing block; an n whose
+  whole weight the chip cannot hold keeps a padded block."""
   chip_ = chips.get_chip(chip)
   common = dict(num_groups=32, lhs_dtype=BF16, rhs_dtype=weights, out_dtype=out, chip=chip)
   t = R.gmm_tiling(256, 2880, 2880, **common)
@@ -257,6 +302,6 @@ def test_an_n_that_every_lane_block_pads_takes_the_whole_weight(chip, weights, o
                       **common) == t
   dividing = R.gmm_tiling(256, 2880, 2048, **common)
   assert 2048 % dividing.block_n == 0
-  assert dividing.vmem_limit_bytes == chip_.default_scoped_vmem_bytes
   too_big = R.gmm_tiling(256, 8192, 4000, **common)
-  assert too_big.block_n < 4000 and too_big.vmem_limit_bytes == chip_.default_scoped_vmem_bytes
+  assert too_big.block_n < 4000 and vmem.round_up(4000, too_big.block_n) > 4000
+  assert too_big.vmem_plan_bytes <= vmem.vmem_budget(chip_, too_big.vmem_limit_bytes)
