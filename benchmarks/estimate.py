@@ -147,12 +147,12 @@ def _ragged_pallas(case: headline.GroupedMatmul, chip: str) -> dict:
 
 def _with_lhs_quantization(kernel: dict, case: headline.GroupedMatmul, chip: str) -> dict:
   """The kernel's row plus the op that quantizes lhs before it (`ragged_dot.quantize_rows`,
-  XLA's, compiled alone), as the layer estimate sums its parts: each part's time is
+  its kernel, compiled alone), as the layer estimate sums its parts: each part's time is
   max(static cycles, HBM bytes at full bandwidth), the row's cycles their sum."""
   c = chips.get_chip(chip)
   lhs = jax.ShapeDtypeStruct((case.m, case.k), jnp.dtype(case.dtype))
   quantize = experts_layer_estimate.glue_part(   # bf16 in, int8 codes and f32 scales out
-      R.quantize_rows, [lhs], chip, min_bytes=case.m * case.k * 3 + case.m * 4, kernel_fed=True)
+      functools.partial(R.quantize_rows, chip=chip), [lhs], chip, min_bytes=case.m * case.k * 3 + case.m * 4, kernel_fed=True)
   part_cycles = lambda cycles, nbytes: max(cycles, nbytes / c.hbm_bytes_per_s * c.clock_hz)
   quantize_cycles = part_cycles(quantize["cycles"], quantize["hbm_bytes"])
   row = dict(kernel)
@@ -160,8 +160,8 @@ def _with_lhs_quantization(kernel: dict, case: headline.GroupedMatmul, chip: str
       estimated_cycles=round(part_cycles(kernel["estimated_cycles"], kernel["hbm_bytes"])
                              + quantize_cycles),
       hbm_bytes=kernel["hbm_bytes"] + quantize["hbm_bytes"],
-      method=kernel["method"] + "; plus the quantization of lhs (quantize_rows, XLA, "
-             f"{quantize['ops']} ops: {quantize['cycles']} cycles, {quantize['hbm_bytes']} "
+      method=kernel["method"] + "; plus the quantization of lhs (quantize_rows, "
+             f"{quantize['ops']} op(s): {quantize['cycles']} cycles, {quantize['hbm_bytes']} "
              "bytes), each part max(cycles, bytes) and summed",
       kernel_cycles=kernel["estimated_cycles"], quantize_cycles=quantize["cycles"])
   return row

@@ -24,8 +24,9 @@ Backward (first order), with dz = g * epilogue'(z) (z recomputed, not stored):
 Quantized weights are frozen: they and their scales get no gradient.
 
 Quantized activations (`lhs_quant="int8"`, int8 weights only; inference, no gradient):
-lhs is quantized per row, symmetric, before the kernel (`quantize_rows`: scale_r =
-max|lhs[r]| / 127, codes round(lhs[r] / scale_r)), and the kernel multiplies int8 codes
+lhs is quantized per row, symmetric, by a small kernel of its own before the matmul
+(`quantize_rows`: scale_r = max|lhs[r]| / 127, codes round(lhs[r] / scale_r); one read of
+the rows, one write of the codes), and the matmul kernel multiplies int8 codes
 on the MXU with an int32 accumulator (exact), then
 
     z[r, :] = (codes[r, :] @ W_i) * scale_r * scale_i + bias_i
@@ -104,6 +105,7 @@ GATED_ACTIVATIONS = SUPPORTED_ACTIVATIONS + ("gpt_oss", "clamped_silu")
 LAYOUTS = ("concatenated", "interleaved")
 # The pallas_call name of the small kernel that builds each call's visit table.
 VISIT_TABLE_KERNEL = "ragged_dot_visit_table"
+QUANTIZE_ROWS_KERNEL = "ragged_dot_quantize_rows"   # `quantize_rows` (lhs_quant)
 
 MAX_BLOCK_M = 512
 MAX_BLOCK_N = 2048
@@ -1077,14 +1079,10 @@ LHS_QUANTS = ("int8",)
 _INT8_MAX = 127
 
 
-def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Symmetric per-row int8 quantization (`lhs_quant="int8"`): x [m, k] float32 /
-  bfloat16 -> (codes int8 [m, k], scale float32 [m, 1]) with x ~ codes * scale.
-
-  scale[r] = max_j |x[r, j]| / 127 (1 for a row of zeros), codes = x / scale rounded half
-  to even, in [-127, 127]: each element is off by at most scale[r] / 2 (and the float32
-  rounding of the division). A row holding an inf or a NaN gets a NaN scale, so its
-  output comes out NaN, never a finite wrong value."""
+def _quantized_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The definition of `quantize_rows` on x [rows, k]: one home for the math, traced by
+  XLA (the fallback) and inside the kernel (one block of rows), so both give the same
+  codes."""
   x = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
   # NaN iff the row holds an inf or a NaN (a max may drop a NaN: XLA:CPU's does), else 0.
@@ -1096,6 +1094,79 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return codes.astype(jnp.int8), scale + poison
 
 
+# quantize_rows' kernel: rows per grid step, the largest of these whose input block is at
+# most _QUANTIZE_BLOCK_BYTES (all m when fewer), and at least the int8 codes' 32-row tile.
+# Static estimates, cycles on v6e / v5e: [512, 2048] bf16 at 128 / 256 rows 5,340 / 5,559
+# and 7,850 / 7,723 (512 rows 7,404 and 10,608); [4096, 2048] at 256 / 512 rows 27,658 /
+# 26,765 and 40,930 / 38,756, at HBM bandwidth; [64, 14336] at 32 rows 5,505 and 7,804, at
+# 64 rows (one step, no overlap of its DMAs) 7,052 and 10,599.
+_QUANTIZE_ROWS = (256, 128, 64, 32)
+_QUANTIZE_BLOCK_BYTES = 1 * vmem.MiB
+
+
+def quantize_rows_plan(m: int, k: int, dtype, chip: str) -> tuple[int, int | None] | None:
+  """(rows per step, scoped-VMEM limit or None for the chip's default) of `quantize_rows`'
+  kernel for x [m, k] of `dtype`, or None where XLA's form runs: an empty x, or a row
+  block that does not fit even the chip's largest limit. Counted per row: the
+  double-buffered input and codes blocks, two float32 temporaries of the row (x widened,
+  and x / scale) and the double-buffered [rows, 1] float32 scale block, lane-padded."""
+  if m == 0 or k == 0:
+    return None
+  c = chips.get_chip(chip)
+  itemsize = jnp.dtype(dtype).itemsize
+  rows = next((r for r in _QUANTIZE_ROWS if r * k * itemsize <= _QUANTIZE_BLOCK_BYTES),
+              _QUANTIZE_ROWS[-1])
+  rows = min(rows, m)
+  width = vmem.lane_padded(k)
+  plan = vmem.round_up(rows, vmem.sublane_multiple(jnp.int8)) * (
+      width * (2 * itemsize + 2 * 1 + 2 * 4) + 2 * 128 * 4)
+  if plan <= vmem.vmem_budget(c, None):
+    return rows, None
+  limit = vmem.round_up(math.ceil(plan / vmem.BUDGET_FRACTION), vmem.MiB)
+  if limit > c.max_vmem_limit_bytes:
+    return None
+  return rows, limit
+
+
+def quantize_rows(x: jax.Array, *, chip: str = chips.DEFAULT_CHIP,
+                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Symmetric per-row int8 quantization (`lhs_quant="int8"`): x [m, k] float32 /
+  bfloat16 -> (codes int8 [m, k], scale float32 [m, 1]) with x ~ codes * scale.
+
+  scale[r] = max_j |x[r, j]| / 127 (1 for a row of zeros), codes = x / scale rounded half
+  to even, in [-127, 127]: each element is off by at most scale[r] / 2 (and the float32
+  rounding of the division). A row holding an inf or a NaN gets a NaN scale, so its
+  output comes out NaN, never a finite wrong value.
+
+  A Pallas kernel over blocks of whole rows (`quantize_rows_plan`): one read of x and one
+  write of the codes, where XLA's form of the same math (`_quantized_rows`, kept where no
+  row block fits) took three ops and read x more than once. Static estimates, Mixtral-
+  8x7B's down rows [512, 14336] bf16: v6e 124,530 -> 27,114 cycles, v5e 226,919 ->
+  40,811 (docs/performance.md, "Quantized decode")."""
+  m, k = x.shape
+  plan = quantize_rows_plan(m, k, x.dtype, chip)
+  if plan is None:
+    return _quantized_rows(x)
+  rows, limit = plan
+
+  def kernel(x_ref, codes_ref, scale_ref):
+    codes_ref[...], scale_ref[...] = _quantized_rows(x_ref[...])
+
+  return pl.pallas_call(
+      kernel,
+      grid=(pl.cdiv(m, rows),),
+      in_specs=[pl.BlockSpec((rows, k), lambda i: (i, 0))],
+      out_specs=[pl.BlockSpec((rows, k), lambda i: (i, 0)),
+                 pl.BlockSpec((rows, 1), lambda i: (i, 0))],
+      out_shape=[jax.ShapeDtypeStruct((m, k), jnp.int8),
+                 jax.ShapeDtypeStruct((m, 1), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",),
+                                           vmem_limit_bytes=limit),
+      interpret=interpret,
+      name=QUANTIZE_ROWS_KERNEL,
+  )(x)
+
+
 def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
              epilogue=None, out_dtype=None, lhs_scale=None):
   """The fused forward: epilogue(lhs @ W * scale + bias) per group, [m, n_out].
@@ -1104,7 +1175,7 @@ def _forward(lhs, rhs, scale, bias, group_sizes, group_offset, st: _Static, *,
   epilogue = st.epilogue if epilogue is None else epilogue
   out_dtype = jnp.dtype(st.out_dtype if out_dtype is None else out_dtype)
   if st.lhs_quant and lhs_scale is None:
-    lhs, lhs_scale = quantize_rows(lhs)
+    lhs, lhs_scale = quantize_rows(lhs, chip=st.chip, interpret=st.interpret)
   n_axis = 1 if st.transpose_rhs else 2
   n_full = rhs.shape[n_axis]
   common = dict(transpose_rhs=st.transpose_rhs, epilogue=epilogue, out_dtype=out_dtype, st=st,

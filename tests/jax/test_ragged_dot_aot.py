@@ -144,9 +144,31 @@ def test_int8_activations_compile(label, m, k, n, experts, gated, blocks, chip):
 
   report = aot.compile_for_chip(fn, specs, chip)
   assert report.ok, f"{label} on {chip}: {report.error}"
-  matmuls = [n for n in report.kernel_names if R.VISIT_TABLE_KERNEL not in n]
+  # the rows are quantized by a kernel of their own before the matmul
+  assert sum(R.QUANTIZE_ROWS_KERNEL in n for n in report.kernel_names) == 1, report
+  matmuls = [n for n in report.kernel_names
+             if R.VISIT_TABLE_KERNEL not in n and R.QUANTIZE_ROWS_KERNEL not in n]
   # the gate pass is a small kernel of its own after the plain matmul
   assert len(matmuls) == (2 if gated == "interleaved" and m == 64 else 1), report
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+@pytest.mark.parametrize("m, k, dtype", [
+    (64, 768, jnp.bfloat16),      # Qwen3 down at decode: one block of all rows
+    (512, 14336, jnp.bfloat16),   # Mixtral down: 32-row blocks
+    (300, 2880, jnp.float32),     # a partial last block, k off the lanes
+    (64, 49152, jnp.bfloat16),    # under a raised scoped-VMEM limit
+])
+def test_quantize_rows_kernel_compiles(m, k, dtype, chip):
+  """`quantize_rows`' kernel alone, under the limit its plan asks for."""
+  rows, limit = R.quantize_rows_plan(m, k, jnp.dtype(dtype), chip)
+  report = aot.compile_for_chip(lambda x: R.quantize_rows(x, chip=chip),
+                                [jax.ShapeDtypeStruct((m, k), dtype)], chip)
+  assert report.ok, f"{m}x{k} on {chip}: {report.error}"
+  assert report.kernel_names == (R.QUANTIZE_ROWS_KERNEL,), report
+  # 0: no limit asked for, so the chip's default scoped limit holds
+  assert report.scoped_vmem_bytes == (limit or 0), report
+  assert (limit is not None) == (k == 49152), limit
 
 
 def _tuned_program(entry) -> Program:

@@ -156,7 +156,7 @@ def test_quantize_rows_edges():
   every element is within half a step; a row with an inf or a NaN gets a NaN scale."""
   x = np.array([[0.0, 0.0, 0.0, 0.0], [1.0, -2.0, 0.5, 3.0], [-4.0, 1e-3, 2.0, 0.0],
                 [1.0, np.inf, 0.0, 0.0], [np.nan, 1.0, 0.0, 0.0]], np.float32)
-  codes, scale = (np.asarray(a) for a in K.quantize_rows(jnp.asarray(x)))
+  codes, scale = (np.asarray(a) for a in K.quantize_rows(jnp.asarray(x), interpret=True))
   assert codes.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (5, 1)
   assert scale[0, 0] == 1.0 and not codes[0].any()
   assert codes[1, 3] == 127 and codes[2, 0] == -127
@@ -164,6 +164,64 @@ def test_quantize_rows_edges():
   assert np.isnan(scale[3:]).all()
   want_codes, want_scale = ref.quantize_rows_int8(x[:3])
   assert (codes[:3] == want_codes).all() and (scale[:3] == want_scale).all()
+
+
+@pytest.mark.parametrize("m, k, dtype, rows", [
+    (5, 200, jnp.float32, 5),       # fewer rows than the codes' 32-row tile: one block
+    (40, 130, jnp.bfloat16, 40),    # k off the 128 lanes
+    (300, 768, jnp.bfloat16, 256),  # 256-row blocks, a partial last one
+    (64, 14336, jnp.bfloat16, 32),  # Mixtral's down rows: 32 rows make a block of <= 1 MiB
+    (1000, 96, jnp.float32, 256),
+])
+def test_quantize_rows_kernel_matches_its_definition(m, k, dtype, rows):
+  """`quantize_rows`' kernel (interpret mode) against the definition in float64:
+  scale = max|row| / 127 within one float32 ulp, every code within half a step (and the
+  float32 division's rounding) of x / scale, each row's largest magnitude at +-127, a row
+  with an inf or a NaN a NaN scale and the rows beside it unaffected. It also equals the
+  XLA form (`_quantized_rows`) bit for bit: one definition, the same platform."""
+  assert K.quantize_rows_plan(m, k, jnp.dtype(dtype), "v6e") == (rows, None)
+  rng = np.random.default_rng(m * k)
+  x = rng.standard_normal((m, k)) * np.exp(rng.uniform(-8, 8, (m, 1)))
+  x[0] = 0.0
+  x[2, 3], x[m - 1, k - 1] = np.inf, np.nan
+  x = jnp.asarray(x, jnp.float32).astype(dtype)
+  codes, scale = K.quantize_rows(x, interpret=True)
+  xla_codes, xla_scale = K._quantized_rows(x)
+  codes, scale = np.asarray(codes), np.asarray(scale)
+  assert codes.dtype == np.int8 and codes.shape == (m, k) and scale.shape == (m, 1)
+  assert (codes == np.asarray(xla_codes)).all()
+  assert np.array_equal(scale, np.asarray(xla_scale), equal_nan=True)
+  finite = np.zeros(m, bool)
+  finite[[r for r in range(m) if r not in (2, m - 1)]] = True
+  assert np.isnan(scale[~finite]).all() and np.isfinite(scale[finite]).all()
+  x64 = np.asarray(x.astype(jnp.float32), np.float64)[finite]
+  amax = np.abs(x64).max(axis=1, keepdims=True)
+  want = np.where(amax > 0, amax / 127, 1.0)
+  got = scale[finite].astype(np.float64)
+  assert (np.abs(got - want) <= np.spacing(want.astype(np.float32))).all()
+  c = codes[finite].astype(np.float64)
+  assert (np.abs(c - x64 / got) <= 0.5 + 2.0 ** -16).all()
+  peak = np.abs(x64).argmax(axis=1)
+  nonzero = amax[:, 0] > 0
+  assert (np.abs(c[np.arange(len(c)), peak])[nonzero] == 127).all()
+  assert not c[~nonzero].any()
+
+
+def test_quantize_rows_plan_raises_the_limit_then_falls_back_to_xla():
+  """Rows too wide for the default scoped VMEM at 32 rows compile under a raised limit;
+  rows too wide for the chip's largest limit (and an empty x) take XLA's form, with the
+  same result."""
+  v5e = chips.get_chip("v5e")
+  rows, limit = K.quantize_rows_plan(512, 49152, jnp.dtype(jnp.bfloat16), "v5e")
+  assert rows == 32 and v5e.default_scoped_vmem_bytes < limit <= v5e.max_vmem_limit_bytes
+  assert K.quantize_rows_plan(512, 14336, jnp.dtype(jnp.bfloat16), "v6e") == (32, None)
+  assert K.quantize_rows_plan(2, 1 << 20, jnp.dtype(jnp.float32), "v6e") is None
+  assert K.quantize_rows_plan(0, 128, jnp.dtype(jnp.float32), "v6e") is None
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 1 << 20)), jnp.float32)
+  codes, scale = K.quantize_rows(x, chip="v6e")   # XLA's form: no interpret needed
+  xla_codes, xla_scale = K._quantized_rows(x)
+  assert (np.asarray(codes) == np.asarray(xla_codes)).all()
+  assert (np.asarray(scale) == np.asarray(xla_scale)).all()
 
 
 def test_int8_activations_never_hide_a_non_finite_row():
