@@ -152,7 +152,8 @@ def _with_lhs_quantization(kernel: dict, case: headline.GroupedMatmul, chip: str
   c = chips.get_chip(chip)
   lhs = jax.ShapeDtypeStruct((case.m, case.k), jnp.dtype(case.dtype))
   quantize = experts_layer_estimate.glue_part(   # bf16 in, int8 codes and f32 scales out
-      functools.partial(R.quantize_rows, chip=chip), [lhs], chip, min_bytes=case.m * case.k * 3 + case.m * 4, kernel_fed=True)
+      functools.partial(R.quantize_rows, chip=chip), [lhs], chip,
+      min_bytes=case.m * case.k * 3 + case.m * 4, kernel_fed=True)
   part_cycles = lambda cycles, nbytes: max(cycles, nbytes / c.hbm_bytes_per_s * c.clock_hz)
   quantize_cycles = part_cycles(quantize["cycles"], quantize["hbm_bytes"])
   row = dict(kernel)

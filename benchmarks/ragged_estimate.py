@@ -155,8 +155,8 @@ class GmmCase:
   (G, n, k) (transpose_rhs) or (G, k, n) in `weight_dtype`, with a float32 (G, n) scale
   when that is int8 / float8_e4m3fn; output in `out_dtype` (default `dtype`).
   `lhs_quant` "int8" (int8 weights): the kernel takes lhs as int8 codes with float32 row
-  scales [m, 1], as `ragged_dot`'s lhs_quant gives it; the quantization before it (an XLA
-  op over lhs) is not part of this case."""
+  scales [m, 1], as `ragged_dot`'s lhs_quant gives it; the quantization before it
+  (`ragged_dot.quantize_rows`, a kernel of its own) is not part of this case."""
 
   m: int
   groups: int

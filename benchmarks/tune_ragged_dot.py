@@ -9,12 +9,12 @@ OLMoE-1B-7B), on both chips. The first four were chosen where the heuristic tili
 below 0.95 of the roofline or behind XLA's ragged_dot on v6e; since 2026-12-06 every
 survey model is in the grid on both chips, because at unaligned routing the heuristic's
 split-k tiles refetch the weights at every visit (v5e's 16 MiB default scoped limit makes
-it split k at most of these shapes). Gate/up (gated, silu) and down, at m = 512 and 8192 rows (`ROWS`), and for the
-headline model 65536 too (`ROWS_BY_MODEL`), bf16. And with int8 and float8_e4m3fn
-weights (bf16 activations, weights [G, k, n] and their scale, as `quantize_experts_`
-stores them; the key's `weight_dtype`), the quantized decode rows whose heuristic tiling
-missed 0.85 of the quantized roofline: Mixtral-8x7B at m = 512 on both chips
-(`QUANTIZED_ROWS_BY_MODEL`). There the heuristic then stayed under the default
+it split k at most of these shapes). Gate/up (gated, silu) and down, at m = 512 and 8192
+rows (`ROWS`), and for the headline model 65536 too (`ROWS_BY_MODEL`), bf16. And with
+int8 and float8_e4m3fn weights (bf16 activations, weights [G, k, n] and their scale, as
+`quantize_experts_` stores them; the key's `weight_dtype`), the quantized decode rows
+whose heuristic tiling missed 0.85 of the quantized roofline: Mixtral-8x7B at m = 512 on
+both chips (`QUANTIZED_ROWS_BY_MODEL`). There the heuristic then stayed under the default
 scoped-VMEM limit and took narrow n blocks, and the activations were re-read once per n
 block (since 2026-12-06 it takes one k block under up to 64 MiB where k fits one:
 `ragged_dot._one_k_block_tiling`).
