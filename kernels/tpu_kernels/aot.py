@@ -49,13 +49,35 @@ class CompileReport:
 
 
 @functools.cache
+def topology_known(chip_name: str) -> bool:
+  """Whether the installed libtpu can compile for the chip (every chip with a topology in
+  the table, with libtpu 0.0.42.1 and 0.0.50.1: v7's `TPU7x` too)."""
+  from jax.experimental import topologies
+
+  chip = chips.get_chip(chip_name)
+  if chip.aot_topology is None:
+    return False
+  try:
+    topologies.get_topology_desc(chip.aot_topology, "tpu")
+  except Exception:   # libtpu's own error for a topology it does not know
+    return False
+  return True
+
+
+def libtpu_version() -> str:
+  from importlib import metadata
+  return metadata.version("libtpu")
+
+
+@functools.cache
 def topology_device(chip_name: str):
   """The first device of the chip's AOT topology (needs libtpu, not a TPU)."""
   from jax.experimental import topologies
 
   chip = chips.get_chip(chip_name)
-  if chip.aot_topology is None:
-    raise ValueError(f"{chip.name} has no ahead-of-time topology in this libtpu")
+  if not topology_known(chip_name):
+    raise ValueError(f"{chip.name} has no ahead-of-time topology in libtpu "
+                     f"{libtpu_version()} ({chip.aot_topology})")
   return topologies.get_topology_desc(chip.aot_topology, "tpu").devices[0]
 
 

@@ -13,14 +13,23 @@ Sources of the figures (per TensorCore as JAX sees one device):
     test_default_scoped_vmem_limit_matches_chip_table).
   * SMEM capacity: measured with ahead-of-time compiles (a scalar-prefetched table of
     256Ki int32 overflows "1.00M of 1.00M smem" on v5e and v6e); v7's is assumed equal.
+  * v7 (Ironwood): each of a chip's two TensorCores is its own JAX device (libtpu
+    0.0.50.1's `TPU7x:2x2x1` topology holds 8 devices for 4 chips, `core_on_chip` 0 and
+    1), so its row is half the published per-chip figures (192 GB HBM, 7.4 TB/s, 2.31
+    PFLOP/s bf16); that compiler reports 94.74G of HBM available to a program. VMEM
+    (63.94M) and the default scoped limit (32 MiB: a 32 MiB kernel compiles, 33 MiB
+    does not) measured with ahead-of-time compiles against libtpu 0.0.50.1 on
+    2026-12-06 (tests/jax/test_v7_aot.py). v5p's two TensorCores are one device
+    (megacore), so its row is per chip.
   * Clock: the value the libtpu static cycle estimator uses.
   * bf16 vector unit: v6e and later compute elementwise bf16 natively; on v5e libtpu
     0.0.42 works on bf16 as packed int16 (its LLO type check names `vector-int16`
     where a bf16 select feeds a matmul, so kernels select in f32 there: masking.py;
     v6e's does not). v5p is assumed like v5e,
     v7 like v6e.
-v7 (Ironwood) cannot be compiled for with libtpu 0.0.42 (no topology); its row
-holds public figures only and ``aot_topology`` is None.
+v7 (Ironwood) is compiled for as `TPU7x:2x2x1` (libtpu 0.0.42.1 and 0.0.50.1 both know
+it; until 2026-12-06 this table held no topology for it, on the belief that 0.0.42 had
+none). It has no clock here, so no static estimate of it becomes time.
 """
 
 from __future__ import annotations
@@ -103,8 +112,8 @@ CHIPS: dict[str, Chip] = {
             aot_topology="v5p:2x2x1",
         ),
         Chip(
-            # Ironwood: 2 TensorCores per chip; figures below are per chip as
-            # published (2.31 PFLOP/s bf16, 7.4 TB/s, 192 GiB), VMEM per core.
+            # Ironwood: 2 TensorCores per chip, each one JAX device; figures per
+            # TensorCore, half the published per-chip ones (module docstring).
             name="v7",
             device_kinds=("TPU7x", "TPU7", "TPU v7"),
             vmem_bytes=64 * MiB,
@@ -113,10 +122,10 @@ CHIPS: dict[str, Chip] = {
             mxu_size=256,
             bf16_vpu=True,
             clock_hz=None,
-            bf16_flops_per_s=2.31e15,
-            hbm_bytes_per_s=7.4e12,
-            hbm_bytes=192 * 1024 * MiB,
-            aot_topology=None,
+            bf16_flops_per_s=2.31e15 / 2,
+            hbm_bytes_per_s=7.4e12 / 2,
+            hbm_bytes=96 * 1024 * MiB,
+            aot_topology="TPU7x:2x2x1",
         ),
     )
 }
