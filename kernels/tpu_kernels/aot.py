@@ -49,19 +49,24 @@ class CompileReport:
 
 
 @functools.cache
-def topology_known(chip_name: str) -> bool:
-  """Whether the installed libtpu can compile for the chip (every chip with a topology in
-  the table, with libtpu 0.0.42.1 and 0.0.50.1: v7's `TPU7x` too)."""
+def topology_devices(chip_name: str) -> tuple | None:
+  """The devices of the chip's AOT topology (needs libtpu, not a TPU), or None where the
+  installed libtpu does not know it (every chip with a topology in the table is known to
+  libtpu 0.0.42.1 and 0.0.50.1: v7's `TPU7x` too)."""
   from jax.experimental import topologies
 
   chip = chips.get_chip(chip_name)
   if chip.aot_topology is None:
-    return False
+    return None
   try:
-    topologies.get_topology_desc(chip.aot_topology, "tpu")
+    return tuple(topologies.get_topology_desc(chip.aot_topology, "tpu").devices)
   except Exception:   # libtpu's own error for a topology it does not know
-    return False
-  return True
+    return None
+
+
+def topology_known(chip_name: str) -> bool:
+  """Whether the installed libtpu can compile for the chip."""
+  return topology_devices(chip_name) is not None
 
 
 def libtpu_version() -> str:
@@ -69,16 +74,14 @@ def libtpu_version() -> str:
   return metadata.version("libtpu")
 
 
-@functools.cache
 def topology_device(chip_name: str):
   """The first device of the chip's AOT topology (needs libtpu, not a TPU)."""
-  from jax.experimental import topologies
-
-  chip = chips.get_chip(chip_name)
-  if not topology_known(chip_name):
+  devices = topology_devices(chip_name)
+  if devices is None:
+    chip = chips.get_chip(chip_name)
     raise ValueError(f"{chip.name} has no ahead-of-time topology in libtpu "
                      f"{libtpu_version()} ({chip.aot_topology})")
-  return topologies.get_topology_desc(chip.aot_topology, "tpu").devices[0]
+  return devices[0]
 
 
 class RowMajor(jax.ShapeDtypeStruct):

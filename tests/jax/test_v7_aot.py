@@ -96,7 +96,6 @@ def test_default_scoped_vmem_limit_is_the_chip_tables(extra_mib, fits):
 def test_a_device_is_one_tensorcore():
   """The chip table's v7 row is per TensorCore because a device is one: the topology of 4
   chips holds 8 devices, cores 0 and 1 of each chip."""
-  from jax.experimental import topologies
-  devices = topologies.get_topology_desc(chips.get_chip("v7").aot_topology, "tpu").devices
+  devices = aot.topology_devices("v7")
   assert len(devices) == 8
   assert sorted({d.core_on_chip for d in devices}) == [0, 1]
