@@ -1,6 +1,7 @@
 """Shared test set-up. Imports neither torch nor jax: tests/jax must also run without torch."""
 
 import os
+import sys
 
 # Before anything imports jax or torch: no TPU here, and nothing may reach the network.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -8,6 +9,7 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Interpret mode compiles every new shape (0.2-1 s), so example counts set the run time.
@@ -34,3 +36,20 @@ def pytest_configure(config):
 
   if not config.pluginmanager.has_plugin("release_pytest"):
     config.pluginmanager.register(release_pytest, "release_pytest")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """After each test module, drop jax's compiled programs (if jax was imported at all).
+
+  Why: XLA:CPU maps every compiled program's code and data into memory (about three maps
+  per object, thousands per interpret-mode kernel), and jax keeps each program as long as
+  its jitted function lives. A process may hold at most vm.max_map_count maps (65,530 by
+  default); past it the next compile segfaults. CI's leg 1b (tests/torch and tests/release
+  in one process) reached 64,930 maps on 2026-12-07 and crashed in the next compile.
+  Modules rarely share a program, so clearing costs little; it also keeps RSS flat.
+  """
+  yield
+  jax = sys.modules.get("jax")  # never import it here: tests/torch checks imports stay lazy
+  if jax is not None:
+    jax.clear_caches()
