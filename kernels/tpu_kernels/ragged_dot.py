@@ -50,6 +50,16 @@ tiles_m + G_local + 1. Zero
 visits skip the matmul and pin their lhs / rhs block indices to those of the
 adjacent real visit, so they cost a grid step but no DMA.
 
+Two visits per grid step (`_paired_tiling`): at decode with 1-byte weights and one k
+block, grid step s runs table entries 2s and 2s + 1, each with weight (and scale, bias)
+blocks of its own ("slots": the same arrays passed twice, index maps one entry apart).
+That halves the steps' fixed cost, which a 1-byte weight block's short DMA does not hide.
+The paired table (`group_metadata(paired=True)`) puts a no-op entry where a visit must
+open a step: the first visit of a row tile (a step's lhs and out blocks are one tile's),
+and a visit whose group goes on into the next tile (so that group stays in slot 0 and its
+weights are fetched once). A no-op keeps its slot's blocks (no DMA); one also follows the
+last visit of every table, for a last step with one visit.
+
 The k axis is reduced innermost into an f32 VMEM accumulator; where one block covers k
 (decode's usual tiling), the product goes straight to the epilogue. A k that is not a
 multiple of block_k is masked on the last k block (on both operands: the part of a
@@ -184,6 +194,9 @@ class Tiling:
   block_n: int
   vmem_limit_bytes: int
   vmem_plan_bytes: int
+  # Visits per grid step (`_paired_tiling`): 2 where one row tile and one k block cover the
+  # call (each visit then has a weight block of its own and no visit repeats a group).
+  visits_per_step: int = 1
 
 
 def _next_pow2(x: int) -> int:
@@ -282,6 +295,43 @@ def _one_k_block_tiling(bm_cands, k, k_cands, n_cands, n, plan, chip) -> Tiling 
       limit, _ = _resolve_limit(chip, plan(bm, k, bn), None)
       return Tiling(bm, k, bn, limit, plan(bm, k, bn))
   return None
+
+
+# `_paired_tiling` pairs visits up to this many rows (decode: T * top_k rows up to 64
+# tokens x top-8, the quantized rows rated). Beyond it (prefill) a visit is long on the MXU,
+# and a grid step's fixed cost does not show.
+PAIRED_MAX_ROWS = 512
+
+
+def _paired_tiling(t: Tiling, *, m, k, num_groups, quantized, plan, chip) -> Tiling:
+  """`t` with two visits per grid step where the weights are 1-byte, m is at most
+  PAIRED_MAX_ROWS, a row tile holds more than one group's rows on average (m / groups <
+  block_m), one k block covers k and the chip holds the plan (under `t`'s limit, or one
+  raised no further than `_one_k_block_tiling` raises); else `t`.
+
+  Why: a grid step has a fixed cost (the pipeline's index maps, DMA issue and wait, the
+  table reads), about 490 cycles by the static estimate on v6e. A 1-byte weight block
+  takes half the DMA time of a bf16 one for about the same widening and dot, so at decode
+  that cost makes a visit compute-bound: Qwen3-30B-A3B's down at m=64 with int8 weights
+  rated 1,867 cycles per visit on v6e, against the block's 1,678 at HBM bandwidth; paired,
+  1,708 (m=512: 1,869 -> 1,710; docs/performance.md, "Quantized decode"). Two visits per
+  step, each with weight blocks of its own, halve the steps. The paired visit
+  table (`_metadata_kernel`) keeps a step's visits on one row tile, and a group that goes
+  on into the next tile in slot 0, so no weight block is fetched more often than with one
+  visit per step. Where a tile holds about one group (m / groups >= block_m) nearly every
+  step would hold one visit and a no-op. bf16 weight blocks are DMA-bound at decode, so
+  they keep one visit per step."""
+  if (not quantized or m > PAIRED_MAX_ROWS or m >= num_groups * t.block_m
+      or not _one_k_block(k, t.block_k)):
+    return t
+  paired_plan = plan(t.block_m, t.block_k, t.block_n, visits_per_step=2)
+  limit, _ = _resolve_limit(chip, max(paired_plan, t.vmem_plan_bytes), None)
+  limit = max(limit, t.vmem_limit_bytes)
+  if limit > max(_ONE_K_BLOCK_MAX_LIMIT, t.vmem_limit_bytes) or \
+      paired_plan > vmem.vmem_budget(chip, limit):
+    return t
+  return dataclasses.replace(t, vmem_limit_bytes=limit, vmem_plan_bytes=paired_plan,
+                             visits_per_step=2)
 
 
 def _whole_weight_tiling(best, k, n, plan, chip) -> Tiling | None:
@@ -408,19 +458,20 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
   quantized = rb == 1
   bm0 = _row_block(m, num_groups, sub, block_m)
 
-  def plan(bm, bk, bn):
+  def plan(bm, bk, bn, visits_per_step=1):
     bm_p, bk_p, bn_p = vmem.round_up(bm, sub), vmem.lane_padded(bk), vmem.lane_padded(bn)
+    weights = num_rhs * visits_per_step   # weight blocks per grid step
     total = 2 * bm_p * bk_p * lb + 2 * bm_p * bn_p * ob
-    total += num_rhs * 2 * vmem.round_up(bk, rsub) * bn_p * rb
-    total += num_rhs * 2 * 2 * 8 * bn_p * 4                 # scale, bias blocks
+    total += weights * 2 * vmem.round_up(bk, rsub) * bn_p * rb
+    total += weights * 2 * 2 * 8 * bn_p * 4                 # scale, bias blocks
     # the dot result, and the float32 accumulator unless one k block covers k (the
     # kernel's single-k path keeps no accumulator: `_gmm_kernel`)
-    total += num_rhs * (1 if _one_k_block(k, bk) else 2) * bm_p * bn_p * 4
-    total += 3 * bm_p * bn_p * 4                             # epilogue temporaries
+    total += weights * (1 if _one_k_block(k, bk) else 2) * bm_p * bn_p * 4
+    total += 3 * visits_per_step * bm_p * bn_p * 4           # epilogue temporaries
     if interleaved:   # `_deinterleave_lanes`: the gathered halves, float32
-      total += 2 * bm_p * bn_p * 4
+      total += 2 * visits_per_step * bm_p * bn_p * 4
     if quantized:
-      total += num_rhs * vmem.round_up(bk, 8) * bn_p * lb    # dequantised weight block
+      total += weights * vmem.round_up(bk, 8) * bn_p * lb    # dequantised weight block
     if lb == 1:   # int8 lhs (lhs_quant): its [bm, 1] float32 row scales, lane-padded
       total += 2 * bm_p * vmem.lane_padded(1) * 4
     return total
@@ -437,6 +488,8 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
   if block_n is None:
     n_cands = [b for b in n_cands if b <= MAX_BLOCK_N] or n_cands[-1:]
   if block_m is None and block_k is None and block_n is None and vmem_limit_bytes is None:
+    paired = functools.partial(_paired_tiling, m=m, k=k, num_groups=num_groups,
+                               quantized=quantized, plan=plan, chip=chip_)
     tuned = tuned_blocks(m, k, n, num_groups=num_groups, lhs_dtype=lhs_dtype,
                          rhs_dtype=rhs_dtype, out_dtype=out_dtype, num_rhs=num_rhs,
                          chip=chip_.name, interleaved=interleaved)
@@ -444,19 +497,17 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
       bm, bk, bn = min(tuned[0], m), tuned[1], tuned[2]
       tuned_limit, tuned_budget = _resolve_limit(chip_, max(plan(bm, bk, bn), smallest), None)
       if plan(bm, bk, bn) <= tuned_budget:
-        return Tiling(bm, bk, bn, tuned_limit, plan(bm, bk, bn))
+        return paired(Tiling(bm, bk, bn, tuned_limit, plan(bm, bk, bn)))
+    best = _best_blocks(bm_cands, k_cands, n_cands, n, plan, budget,
+                        whole_k=k if quantized else None)
+    if best:
+      one_k = _one_k_block_tiling(bm_cands, k, k_cands, n_cands, n, plan, chip_)
+      if one_k:
+        best = one_k.block_m, one_k.block_k, one_k.block_n
+      whole = _whole_weight_tiling(best, k, n, plan, chip_)
+      return paired(whole or one_k or Tiling(*best, limit, plan(*best)))
   best = _best_blocks(bm_cands, k_cands, n_cands, n, plan, budget,
                       whole_k=k if quantized else None)
-  if best and block_m is None and block_k is None and block_n is None \
-      and vmem_limit_bytes is None:
-    one_k = _one_k_block_tiling(bm_cands, k, k_cands, n_cands, n, plan, chip_)
-    if one_k:
-      best = one_k.block_m, one_k.block_k, one_k.block_n
-    whole = _whole_weight_tiling(best, k, n, plan, chip_)
-    if whole:
-      return whole
-    if one_k:
-      return one_k
   if best:
     return Tiling(*best, limit, plan(*best))
   if block_m is not None or block_k is not None or block_n is not None:
@@ -507,13 +558,25 @@ _GROUP, _TILE, _ROW_START, _ROW_END, _RHS_GROUP, _LHS_TILE, _K_PIN = range(7)
 _NUM_FIELDS = 7
 
 
-def max_visits(m: int, block_m: int, num_local_groups: int) -> int:
-  return pl.cdiv(m, block_m) + num_local_groups + 1
+def max_visits(m: int, block_m: int, num_local_groups: int, paired: bool = False) -> int:
+  """Entries of a visit table: at most cdiv(m, block_m) + num_local_groups + 1 visits,
+  in a paired table up to two no-op entries per row tile among them, then the no-op
+  entry after the last (`_metadata_kernel`)."""
+  tiles_m = pl.cdiv(m, block_m)
+  return tiles_m + num_local_groups + 2 + (2 * tiles_m if paired else 0)
 
 
 def _metadata_kernel(sizes_ref, offset_ref, table_ref, count_ref, *, num_total, g_local, m,
-                     block_m, num_k_tiles, zero_visits, num_v):
-  """Scalar-core kernel: walks the groups once and writes the visit table to SMEM."""
+                     block_m, num_k_tiles, zero_visits, num_v, paired=False):
+  """Scalar-core kernel: walks the groups once and writes the visit table to SMEM.
+
+  `paired` (two visits per grid step, entries 2s and 2s + 1 in step s): a no-op entry
+  (group g_local) goes before any visit that must open a step, so that
+    * a step's two visits share a row tile (the lhs and out blocks are the step's), and
+    * a visit whose group goes on into the next row tile sits in slot 0, as the next
+      visit (the first of that tile) does: the group's weight block stays in slot 0 and
+      is fetched once, as with one visit per step.
+  A no-op keeps its slot's blocks of the step before (no DMA)."""
   tiles_m = pl.cdiv(m, block_m)
   offset = offset_ref[0, 0]
   i32 = lambda x: jnp.asarray(x, jnp.int32)
@@ -548,11 +611,32 @@ def _metadata_kernel(sizes_ref, offset_ref, table_ref, count_ref, *, num_total, 
   first_g = jnp.maximum(first_g, 0)
   first_tile = jnp.where(any_real, jnp.minimum(div(first_row, block_m), tiles_m - 1), 0)
 
-  def write(v, group, tile, row_start, row_end, rhs_group, lhs_tile, k_pin):
+  def put(v, group, tile, row_start, row_end, rhs_group, lhs_tile, k_pin):
     for field, value in ((_GROUP, group), (_TILE, tile), (_ROW_START, row_start),
                          (_ROW_END, row_end), (_RHS_GROUP, rhs_group),
                          (_LHS_TILE, lhs_tile), (_K_PIN, k_pin)):
       table_ref[field, v] = value
+
+  def no_op(v):   # the tile of the entry before, the blocks of its slot's last entry
+    prev, src = jnp.maximum(v - 1, 0), jnp.maximum(v - 2, 0)
+    put(v, g_local, table_ref[_TILE, prev], 0, 0, table_ref[_RHS_GROUP, src],
+        table_ref[_LHS_TILE, prev], table_ref[_K_PIN, src])
+
+  def write(v, group, tile, row_start, row_end, rhs_group, lhs_tile, k_pin, goes_on=False):
+    """Writes one visit at v (after a no-op where a paired table needs one); returns
+    the next free entry. goes_on: the visit's group has rows in the next row tile.
+    group g_local: a zero visit (head or tail tile)."""
+    if paired:
+      opens = jnp.logical_or(table_ref[_TILE, jnp.maximum(v - 1, 0)] != tile, goes_on)
+      pad = jnp.logical_and(v % 2 == 1, opens)
+      pl.when(pad)(lambda: no_op(v))
+      v = v + pad.astype(jnp.int32)
+      # A zero visit (it opens a step, so it is in slot 0) keeps its slot's weight block,
+      # as a no-op does.
+      if isinstance(group, int) and group == g_local:
+        rhs_group = jnp.where(v >= 2, table_ref[_RHS_GROUP, jnp.maximum(v - 2, 0)], rhs_group)
+    put(v, group, tile, row_start, row_end, rhs_group, lhs_tile, k_pin)
+    return v + 1
 
   v = i32(0)
   all_zero = first_row == last_row
@@ -560,8 +644,7 @@ def _metadata_kernel(sizes_ref, offset_ref, table_ref, count_ref, *, num_total, 
     head_tiles = jnp.where(all_zero, tiles_m, div(first_row, block_m))
 
     def head(t, v):
-      write(v, g_local, t, 0, 0, first_g, first_tile, 0)
-      return v + 1
+      return write(v, g_local, t, 0, 0, first_g, first_tile, 0)
     v = jax.lax.fori_loop(0, head_tiles, head, v)
 
   def group(i, carry):
@@ -571,8 +654,7 @@ def _metadata_kernel(sizes_ref, offset_ref, table_ref, count_ref, *, num_total, 
     count = jnp.where(end > start, div(end - 1, block_m) - tile0 + 1, 0 if zero_visits else 1)
 
     def visit(j, v):
-      write(v, i, tile0 + j, start, end, i, tile0 + j, -1)
-      return v + 1
+      return write(v, i, tile0 + j, start, end, i, tile0 + j, -1, goes_on=j < count - 1)
     return jax.lax.fori_loop(0, count, visit, v), end
 
   v, _ = jax.lax.fori_loop(0, g_local, group, (v, first_row))
@@ -582,19 +664,23 @@ def _metadata_kernel(sizes_ref, offset_ref, table_ref, count_ref, *, num_total, 
     tail_tiles = jnp.where(all_zero, 0, tiles_m - tail_first)
 
     def tail(t, v):
-      write(v, g_local, tail_first + t, 0, 0, last_g, last_tile, num_k_tiles - 1)
-      return v + 1
+      return write(v, g_local, tail_first + t, 0, 0, last_g, last_tile, num_k_tiles - 1)
     v = jax.lax.fori_loop(0, tail_tiles, tail, v)
+  # Past the last visit, a no-op: the second slot of a last step with one visit reads it.
+  no_op(v)
   count_ref[0, 0] = v
 
 
 def group_metadata(group_sizes, group_offset, *, num_local_groups: int, m: int,
-                   block_m: int, num_k_tiles: int, zero_visits: bool, interpret: bool = False):
+                   block_m: int, num_k_tiles: int, zero_visits: bool, paired: bool = False,
+                   interpret: bool = False):
   """The visit table of one call and the number of visits (a traced int32).
 
   Returns (table, num_visits): table is int32 (_NUM_FIELDS * V,), V = max_visits(...),
-  row f * V + v giving field f of visit v; entries past num_visits are unused (the
-  grid stops at num_visits).
+  row f * V + v giving field f of visit v; entry num_visits is a no-op (group
+  num_local_groups), and the entries past it are unused (the grid stops at num_visits).
+  `paired`: laid out for two visits per grid step (`_metadata_kernel`); num_visits then
+  counts the no-op entries among the visits.
 
   zero_visits=True (forward): the head and tail row ranges with no local group are
   visited as group num_local_groups (store nothing; the tile is cleared), and empty
@@ -604,12 +690,13 @@ def group_metadata(group_sizes, group_offset, *, num_local_groups: int, m: int,
   One small scalar-core kernel (`_metadata_kernel`) builds it in one launch. Built from
   XLA ops, the same table took about 30 small ops (~45 us on v6e by the static estimate).
   """
-  num_v = max_visits(m, block_m, num_local_groups)
+  num_v = max_visits(m, block_m, num_local_groups, paired)
   smem = pl.BlockSpec(memory_space=pltpu.SMEM)
   table, count = pl.pallas_call(
       functools.partial(_metadata_kernel, num_total=group_sizes.shape[0],
                         g_local=num_local_groups, m=m, block_m=block_m,
-                        num_k_tiles=num_k_tiles, zero_visits=zero_visits, num_v=num_v),
+                        num_k_tiles=num_k_tiles, zero_visits=zero_visits, num_v=num_v,
+                        paired=paired),
       in_specs=[smem, smem],
       out_specs=[smem, smem],
       out_shape=[jax.ShapeDtypeStruct((_NUM_FIELDS, num_v), jnp.int32),
@@ -683,25 +770,29 @@ def _deinterleave_lanes(z):
 
 def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has_scale, has_bias,
                 transpose_rhs, k_rem, mask_in_f32, block_m, epilogue, compute_dtype,
-                interleaved=False, single_k=False, has_lhs_scale=False):
-  rhs_refs = refs[:num_rhs]
-  refs = refs[num_rhs:]
-  scale_refs = refs[:num_rhs] if has_scale else ()
-  refs = refs[num_rhs if has_scale else 0:]
-  bias_refs = refs[:num_rhs] if has_bias else ()
-  refs = refs[num_rhs if has_bias else 0:]
+                interleaved=False, single_k=False, has_lhs_scale=False, visits_per_step=1):
+  """One grid step (n tile j, step s, k tile kk): visits s * P .. s * P + P - 1, P =
+  visits_per_step; visit s * P + p reads weight slot p (its own weight, scale and bias
+  blocks). P > 1 only with one k block (`_paired_tiling`); a step's visits share a row tile."""
+  per_slot = lambda rs: [rs[p * num_rhs:(p + 1) * num_rhs] for p in range(visits_per_step)]
+  n_weights = num_rhs * visits_per_step
+  rhs_slots = per_slot(refs[:n_weights])
+  refs = refs[n_weights:]
+  scale_slots = per_slot(refs[:n_weights]) if has_scale else [()] * visits_per_step
+  refs = refs[n_weights if has_scale else 0:]
+  bias_slots = per_slot(refs[:n_weights]) if has_bias else [()] * visits_per_step
+  refs = refs[n_weights if has_bias else 0:]
   lhs_scale_ref = refs[0] if has_lhs_scale else None   # [bm, 1] float32, int8 lhs only
   refs = refs[1 if has_lhs_scale else 0:]
   out_ref, acc_refs = refs[0], refs[1:]
   # int8 lhs (`lhs_quant`): int8 x int8 products in int32, exact, converted in the epilogue.
   acc_dtype = jnp.int32 if has_lhs_scale else jnp.float32
+  assert single_k or visits_per_step == 1
 
-  j, v, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  j, step, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   last_k = pl.num_programs(2) - 1
-  group = _field(table_ref, _GROUP, v, num_v)
-  real = group < num_local_groups
 
-  def products(masked):
+  def products(rhs_refs, masked):
     """lhs block @ each weight block, [bm, wn] each in acc_dtype."""
     x = lhs_ref[...]
     if masked:
@@ -725,13 +816,15 @@ def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has
     return out
 
   if not single_k:
+    real = _field(table_ref, _GROUP, step, num_v) < num_local_groups
+
     @pl.when(kk == 0)
     def _():
       for acc in acc_refs:
         acc[...] = jnp.zeros_like(acc)
 
     def accumulate(masked):
-      for acc, p in zip(acc_refs, products(masked)):
+      for acc, p in zip(acc_refs, products(rhs_slots[0], masked)):
         acc[...] += p
 
     if k_rem:   # mask only the last k block; the others go straight to the MXU
@@ -740,8 +833,9 @@ def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has
     else:
       pl.when(real)(lambda: accumulate(False))
 
-  @pl.when(kk == last_k)
-  def _():
+  def finish(slot):   # the epilogue and masked store of visit step * P + slot
+    v = step * visits_per_step + slot
+    real = _field(table_ref, _GROUP, v, num_v) < num_local_groups
     prev = jnp.maximum(v - 1, 0)
     tile = _field(table_ref, _TILE, v, num_v)
     first_visit = jnp.logical_or(v == 0, _field(table_ref, _TILE, prev, num_v) != tile)
@@ -753,15 +847,16 @@ def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has
     @pl.when(real)
     def _():
       zs = []
-      sums = products(bool(k_rem)) if single_k else [acc[...] for acc in acc_refs]
+      sums = (products(rhs_slots[slot], bool(k_rem)) if single_k
+              else [acc[...] for acc in acc_refs])
       for i, z in enumerate(sums):
         z = z.astype(jnp.float32)
         if has_lhs_scale:
           z = z * lhs_scale_ref[...]
         if has_scale:
-          z = z * scale_refs[i][...].astype(jnp.float32)
+          z = z * scale_slots[slot][i][...].astype(jnp.float32)
         if has_bias:
-          z = z + bias_refs[i][...].astype(jnp.float32)
+          z = z + bias_slots[slot][i][...].astype(jnp.float32)
         zs.append(z)
       if interleaved:   # one [bm, 2 * bn] block of interleaved gate/up
         zs = _deinterleave_lanes(zs[0])
@@ -771,7 +866,10 @@ def _gmm_kernel(table_ref, lhs_ref, *refs, num_v, num_local_groups, num_rhs, has
                              rows < _field(table_ref, _ROW_END, v, num_v))
       out_ref[...] = jnp.where(mask, y.astype(out_ref.dtype), out_ref[...])
 
-
+  @pl.when(kk == last_k)
+  def _():
+    for slot in range(visits_per_step):
+      finish(slot)
 
 
 def _tgmm_kernel(table_ref, lhs_ref, dz_ref, out_ref, acc_ref, *, num_v, block_m,
@@ -860,55 +958,68 @@ def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: T
   # to zero, add into and read back (v6e, Qwen3 down at m=64: 1,892 -> 1,867 cycles per
   # visit for int8 weights, 1,702 -> 1,677 for fp8, the HBM floor being 1,678).
   single_k = _one_k_block(k, bk)
-  num_v = max_visits(m, bm, g_local)
+  visits_per_step = t.visits_per_step
+  if visits_per_step not in (1, 2) or (visits_per_step == 2 and not single_k):
+    raise ValueError("two visits per grid step take one k block")
+  paired = visits_per_step == 2
+  num_v = max_visits(m, bm, g_local, paired)
   table, visits = group_metadata(group_sizes, group_offset, num_local_groups=g_local, m=m,
                                  block_m=bm, num_k_tiles=tiles_k, zero_visits=True,
-                                 interpret=interpret)
+                                 paired=paired, interpret=interpret)
   if num_visits is not None:   # a static count (static performance estimates)
     visits = num_visits
 
+  # Index maps read the table through `_field` (benchmarks/ragged_estimate.py substitutes
+  # it to let the static estimator see a table). Grid step s holds visits s * P + p.
   def k_index(v, kk, tab):
-    pin = tab[_K_PIN * num_v + v]
+    pin = _field(tab, _K_PIN, v, num_v)
     return jnp.where(pin < 0, kk, pin)
 
-  def lhs_map(j, v, kk, tab):
-    return tab[_LHS_TILE * num_v + v], k_index(v, kk, tab)
+  def lhs_map(j, s, kk, tab):
+    v = s * visits_per_step
+    return _field(tab, _LHS_TILE, v, num_v), k_index(v, kk, tab)
 
-  def rhs_spec(offset):
-    if transpose_rhs:
-      return pl.BlockSpec((None, wn, bk), lambda j, v, kk, tab: (
-          tab[_RHS_GROUP * num_v + v], j + offset, k_index(v, kk, tab)))
-    return pl.BlockSpec((None, bk, wn), lambda j, v, kk, tab: (
-        tab[_RHS_GROUP * num_v + v], k_index(v, kk, tab), j + offset))
+  def rhs_spec(offset, slot):
+    def index(j, s, kk, tab):
+      v = s * visits_per_step + slot
+      group, k_block = _field(tab, _RHS_GROUP, v, num_v), k_index(v, kk, tab)
+      return (group, j + offset, k_block) if transpose_rhs else (group, k_block, j + offset)
+    return pl.BlockSpec((None, wn, bk) if transpose_rhs else (None, bk, wn), index)
 
-  def row_spec(offset):   # scale / bias, as [G, 1, N]
-    return pl.BlockSpec((None, 1, wn), lambda j, v, kk, tab: (
-        tab[_RHS_GROUP * num_v + v], 0, j + offset))
+  def row_spec(offset, slot):   # scale / bias, as [G, 1, N]
+    return pl.BlockSpec((None, 1, wn), lambda j, s, kk, tab: (
+        _field(tab, _RHS_GROUP, s * visits_per_step + slot, num_v), 0, j + offset))
 
+  slots = range(visits_per_step)
   in_specs = [pl.BlockSpec((bm, bk), lhs_map)]
-  in_specs += [rhs_spec(off) for _, off in rhs_ops]
-  in_specs += [row_spec(off) for _, off in scale_ops]
-  in_specs += [row_spec(off) for _, off in bias_ops]
+  in_specs += [rhs_spec(off, p) for p in slots for _, off in rhs_ops]
+  in_specs += [row_spec(off, p) for p in slots for _, off in scale_ops]
+  in_specs += [row_spec(off, p) for p in slots for _, off in bias_ops]
   as_rows = lambda a: a.reshape(a.shape[0], 1, a.shape[-1])   # [G, N] -> [G, 1, N]
-  operands = ([lhs] + [a for a, _ in rhs_ops] + [as_rows(a) for a, _ in scale_ops] +
-              [as_rows(a) for a, _ in bias_ops])
+  operands = ([lhs] + [a for _ in slots for a, _ in rhs_ops] +
+              [as_rows(a) for _ in slots for a, _ in scale_ops] +
+              [as_rows(a) for _ in slots for a, _ in bias_ops])
   if lhs_scale is not None:   # the row scales of lhs's row tile
-    in_specs.append(pl.BlockSpec((bm, 1), lambda j, v, kk, tab: (tab[_LHS_TILE * num_v + v], 0)))
+    in_specs.append(pl.BlockSpec((bm, 1), lambda j, s, kk, tab: (
+        _field(tab, _LHS_TILE, s * visits_per_step, num_v), 0)))
     operands.append(lhs_scale)
   kernel = functools.partial(
       _gmm_kernel, num_v=num_v, num_local_groups=g_local, num_rhs=len(rhs_ops),
       has_scale=bool(scale_ops), has_bias=bool(bias_ops), transpose_rhs=transpose_rhs,
       k_rem=k % bk, mask_in_f32=masking.selects_in_f32(chip), block_m=bm,
       epilogue=epilogue, compute_dtype=lhs.dtype,
-      interleaved=interleaved, single_k=single_k, has_lhs_scale=lhs_scale is not None)
+      interleaved=interleaved, single_k=single_k, has_lhs_scale=lhs_scale is not None,
+      visits_per_step=visits_per_step)
   acc_dtype = jnp.int32 if lhs_scale is not None else jnp.float32
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1,
-          grid=(pl.cdiv(n_out, bn), visits, tiles_k),
+          grid=(pl.cdiv(n_out, bn), visits if visits_per_step == 1
+                else (visits + visits_per_step - 1) // visits_per_step, tiles_k),
           in_specs=in_specs,
-          out_specs=pl.BlockSpec((bm, bn), lambda j, v, kk, tab: (tab[_TILE * num_v + v], j)),
+          out_specs=pl.BlockSpec((bm, bn), lambda j, s, kk, tab: (
+              _field(tab, _TILE, s * visits_per_step, num_v), j)),
           scratch_shapes=[] if single_k else [pltpu.VMEM((bm, wn), acc_dtype)
                                               for _ in rhs_ops]),
       out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype),

@@ -153,6 +153,35 @@ def test_int8_activations_compile(label, m, k, n, experts, gated, blocks, chip):
 
 
 @pytest.mark.parametrize("chip", AOT_CHIPS)
+@pytest.mark.parametrize("m, k, n, gated, weight_dtype", [
+    (64, 768, 2048, False, "int8"),                # Qwen3 down
+    (512, 768, 2048, False, "float8_e4m3fn"),
+    (8, 2048, 768, True, "int8"),                  # Qwen3 gate/up, one token
+    (512, 2048, 768, True, "float8_e4m3fn"),
+])
+def test_two_visits_per_step_compile(m, k, n, gated, weight_dtype, chip):
+  """Decode with 1-byte weights (`_paired_tiling`): two weight slots per grid step, each
+  with its scale, compile under the limit the tiling asks for."""
+  experts, width = 128, 2 * n if gated else n
+  t = R.gmm_tiling(m, k, n, num_groups=experts, lhs_dtype=jnp.bfloat16,
+                   rhs_dtype=jnp.dtype(weight_dtype), out_dtype=jnp.bfloat16,
+                   num_rhs=2 if gated else 1, n_must_divide=n if gated else None, chip=chip)
+  assert t.visits_per_step == 2, t
+  specs = [jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+           jax.ShapeDtypeStruct((experts, k, width), jnp.dtype(weight_dtype)),
+           jax.ShapeDtypeStruct((experts,), jnp.int32),
+           jax.ShapeDtypeStruct((experts, width), jnp.float32)]
+  call = R.gated_ragged_dot if gated else R.ragged_dot
+  report = aot.compile_for_chip(
+      lambda x, w, group_sizes, scale: call(x, w, group_sizes, rhs_scale=scale, chip=chip),
+      specs, chip)
+  assert report.ok, report.error
+  matmuls = [n for n in report.kernel_names if R.VISIT_TABLE_KERNEL not in n]
+  assert len(matmuls) == 1, report
+  assert report.scoped_vmem_bytes == t.vmem_limit_bytes, (report.scoped_vmem_bytes, t)
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
 @pytest.mark.parametrize("m, k, dtype", [
     (64, 768, jnp.bfloat16),      # Qwen3 down at decode: one block of all rows
     (512, 14336, jnp.bfloat16),   # Mixtral down: 32-row blocks

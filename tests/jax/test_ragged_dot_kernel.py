@@ -337,15 +337,53 @@ def test_rows_outside_local_groups_never_leak(block_k):
   assert not np.asarray(d_rhs)[1].any()   # the empty group's gradient is exactly 0
 
 
-@given(groupings(max_m=300), st.sampled_from([8, 16, 64, 128]), st.booleans())
-def test_visit_table_covers_every_tile_once_in_order(grouping, block_m, zero_visits):
+def _weight_fetches(table, slots):
+  """Weight-block DMAs of a grid over `table`'s entries [fields, entries], `slots` visits
+  per step: a slot fetches when its block index differs from its last one (every slot
+  fetches at the first step)."""
+  held, fetches = {}, 0
+  for v in range(table.shape[1]):
+    block = table[K._RHS_GROUP, v]
+    if held.get(v % slots) != block:
+      held[v % slots], fetches = block, fetches + 1
+  return fetches
+
+
+@given(groupings(max_m=300), st.sampled_from([8, 16, 64, 128]), st.booleans(), st.booleans())
+def test_visit_table_covers_every_tile_once_in_order(grouping, block_m, zero_visits, paired):
   m, sizes, offset, num_local = grouping
-  table, num_visits = K.group_metadata(jnp.asarray(sizes), offset,
-                                       num_local_groups=num_local, m=m, block_m=block_m,
-                                       num_k_tiles=3, zero_visits=zero_visits,
-                                       interpret=True)
-  num_v = K.max_visits(m, block_m, num_local)
-  table = np.asarray(table).reshape(K._NUM_FIELDS, num_v)[:, : int(num_visits)]
+  metadata = lambda paired: K.group_metadata(
+      jnp.asarray(sizes), offset, num_local_groups=num_local, m=m, block_m=block_m,
+      num_k_tiles=3, zero_visits=zero_visits, paired=paired, interpret=True)
+  table, num_visits = metadata(paired)
+  num_v = K.max_visits(m, block_m, num_local, paired)
+  full = np.asarray(table).reshape(K._NUM_FIELDS, num_v)
+  assert int(num_visits) < num_v
+  table = full[:, : int(num_visits)]
+  # No-op entries keep the blocks of their slot's last entry, so their slot fetches
+  # nothing: the one after the last visit, and in a paired table those at odd entries with
+  # no group (there, a zero visit opens a step: it is never at an odd entry).
+  no_ops = [int(num_visits)]
+  if paired:
+    no_ops += [v for v in range(1, table.shape[1], 2) if table[K._GROUP, v] == num_local]
+  for v in no_ops:
+    src = max(v - 2, 0)
+    assert full[K._GROUP, v] == num_local
+    assert full[K._RHS_GROUP, v] == full[K._RHS_GROUP, src]
+    assert full[K._K_PIN, v] == full[K._K_PIN, src]
+    assert full[K._TILE, v] == full[K._TILE, max(v - 1, 0)]
+  if paired:
+    steps = full[:, : 2 * (-(-int(num_visits) // 2))].reshape(K._NUM_FIELDS, -1, 2)
+    # A step's two entries share a row tile (its lhs and out blocks) ...
+    assert (steps[K._TILE, :, 0] == steps[K._TILE, :, 1]).all()
+    # ... and the weights are fetched no more often than with one visit per step (plus,
+    # at most, the second slot's first fetch).
+    one, one_count = metadata(False)
+    one = np.asarray(one).reshape(K._NUM_FIELDS, -1)[:, : int(one_count)]
+    assert _weight_fetches(steps.reshape(K._NUM_FIELDS, -1), 2) <= _weight_fetches(one, 1) + 1
+    # The real visits are the unpaired table's, in order.
+    real = table[:, table[K._GROUP] < num_local]
+    np.testing.assert_array_equal(real, one[:, one[K._GROUP] < num_local])
   group, tile, start, end = table[K._GROUP], table[K._TILE], table[K._ROW_START], table[K._ROW_END]
   ids = ref.local_row_groups(sizes, offset, num_local, m)
   tiles_m = -(-m // block_m)
@@ -366,8 +404,9 @@ def test_visit_table_covers_every_tile_once_in_order(grouping, block_m, zero_vis
     assert set(tile) == set(range(tiles_m))          # every output tile is written
     assert (np.diff(group[group < num_local]) >= 0).all()
   else:
-    assert set(group) == set(range(num_local))       # every group's gradient is written
-    assert (np.diff(group) >= 0).all()
+    visited = group[group < num_local] if paired else group   # (a paired table's no-ops)
+    assert set(visited) == set(range(num_local))     # every group's gradient is written
+    assert (np.diff(visited) >= 0).all()
 
 
 def test_empty_problems():
@@ -463,6 +502,59 @@ def test_decode_rows_get_small_tiles_and_prefill_large():
                          rhs_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip="v6e")
   assert decode.block_m == 16 and prefill.block_m == K.MAX_BLOCK_M
   assert decode.block_k == 2048   # whole k: weights fetched once per group
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_decode_rows_with_one_byte_weights_take_two_visits_per_step(chip):
+  """`_paired_tiling`: 1-byte weights at decode (m <= PAIRED_MAX_ROWS, several groups per
+  row tile, one k block) get two visits per grid step, within the chip's budget; bf16
+  weights, more rows, groups as large as a row tile and explicit blocks keep one."""
+  shape = dict(lhs_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip=chip)
+  for m in (64, 512):
+    for quant in (jnp.int8, jnp.float8_e4m3fn):
+      t = K.gmm_tiling(m, 768, 2048, num_groups=128, rhs_dtype=quant, **shape)
+      assert (t.visits_per_step, t.block_k) == (2, 768) and t.block_m < m, t
+      assert t.vmem_plan_bytes <= vmem.vmem_budget(chips.get_chip(chip), t.vmem_limit_bytes)
+  one = lambda m, groups=128, **kw: K.gmm_tiling(
+      m, 768, 2048, num_groups=groups, **{"rhs_dtype": jnp.int8, **shape, **kw})
+  assert one(64, rhs_dtype=jnp.bfloat16).visits_per_step == 1
+  assert one(2 * K.PAIRED_MAX_ROWS).visits_per_step == 1
+  assert one(512, groups=8).visits_per_step == 1         # 64 rows a group
+  assert one(64, block_m=16).visits_per_step == 1
+
+
+_PAIRED_CASES = [   # (sizes, offset, num_local, gated, lhs_quant): m = 64 rows
+    # groups across row-tile boundaries, an empty one, other shards' rows before and
+    # after the local groups, rows past the end
+    ([3, 20, 1, 0, 9, 17, 2, 5, 4, 1], 1, 8, False, None),
+    ([3, 20, 1, 0, 9, 17, 2, 5, 4, 1], 1, 8, True, None),
+    ([1] * 40, 0, 40, False, None),                 # decode: one row a group
+    ([2, 30, 1, 1, 1, 1, 25], 0, 7, False, "int8"),  # a group over two 32-row tiles
+    ([2, 30, 1, 1, 1, 1, 25], 0, 7, True, "int8"),
+]
+
+
+@pytest.mark.parametrize("sizes,offset,num_local,gated,lhs_quant,quant", [
+    (*case, quant) for case in _PAIRED_CASES
+    for quant in (("int8",) if case[-1] else ("int8", "float8_e4m3fn"))])
+def test_two_visits_per_step_match_reference(sizes, offset, num_local, gated, lhs_quant, quant,
+                                             monkeypatch):
+  """The paired kernel (`_paired_tiling`) against the float64 grouped matmul: row tiles
+  with odd and even visit counts, groups across tiles, an empty group, rows of other
+  groups and rows past the end (exact zeros, checked by `_check_forward`)."""
+  m, k, half = 64, 130, (128 if gated else 100)   # a gated call's block_n divides half
+  p = dict(m=m, sizes=np.array(sizes, np.int32), offset=offset, num_local=num_local, k=k,
+           dtype="bfloat16", transpose_rhs=False, quant=quant, bias=True, block_m=None,
+           block_k=None, block_n=None, chip="v6e", seed=3)
+  if gated:
+    p.update(n=2 * half, layout="concatenated", activation="silu")
+  else:
+    p.update(n=half, activation="gelu_tanh")
+  calls = []   # the tilings the op's kernel calls ran with
+  real_call = K._gmm_call
+  monkeypatch.setattr(K, "_gmm_call", lambda *a, **kw: calls.append(a[6]) or real_call(*a, **kw))
+  _check_forward(p, lhs_quant=lhs_quant)
+  assert calls and all(t.visits_per_step == 2 for t in calls), calls
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])

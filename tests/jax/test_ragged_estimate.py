@@ -72,10 +72,11 @@ class _MetadataTable:
   """The visit table `ragged_dot.group_metadata` builds for concrete group sizes, read
   the way GmmCase.hbm_bytes reads a BalancedTable."""
 
-  def __init__(self, sizes, m, block_m, num_k_tiles):
+  def __init__(self, sizes, m, block_m, num_k_tiles, paired=False):
     table, count = R.group_metadata(jnp.asarray(sizes, jnp.int32), 0,
                                     num_local_groups=len(sizes), m=m, block_m=block_m,
-                                    num_k_tiles=num_k_tiles, zero_visits=True, interpret=True)
+                                    num_k_tiles=num_k_tiles, zero_visits=True, paired=paired,
+                                    interpret=True)
     self.num_visits = int(count)
     self._table = np.asarray(table).reshape(R._NUM_FIELDS, -1)
 
@@ -123,6 +124,26 @@ def test_tuner_traffic_model_equals_the_replay(num_rhs, m, k, n, groups, weight_
 
 
 # ------------------------------------------------------------------ quantized decode (issue 28)
+
+
+@pytest.mark.parametrize("shift", [0, 2, 3])   # group boundaries on the row tiles, or not
+def test_two_visits_per_step_fetch_no_more_than_one(shift):
+  """Qwen3-30B-A3B's down with int8 weights at m=512 (two visits per grid step): replayed
+  over the paired visit table, the grid moves what it moves over the plain table with one
+  visit per step, plus at most the second slot's first weight block and scale row."""
+  case = E.GmmCase(512, 128, 768, 2048, False, "v6e", weight_dtype="int8")
+  t = case.tiling()
+  assert t.visits_per_step == 2 and t.block_k == 768
+  sizes = [4 - shift] + [4] * 126 + [4 + shift]   # 4 rows a group, boundaries moved
+  paired = _MetadataTable(sizes, 512, t.block_m, 1, paired=True)
+  with mock.patch.object(type(case), "table", lambda self: paired):
+    paired_bytes = case.hbm_bytes()
+  one = _MetadataTable(sizes, 512, t.block_m, 1)
+  with mock.patch.object(type(case), "table", lambda self: one), \
+       mock.patch.object(R, "_paired_tiling", lambda t, **kw: t):
+    assert case.tiling().visits_per_step == 1
+    one_bytes = case.hbm_bytes()
+  assert one_bytes <= paired_bytes <= one_bytes + 768 * 2048 + 2048 * 4
 
 
 @pytest.mark.parametrize("m,groups,active", [(64, 128, 64), (8, 16, 8)])
