@@ -187,10 +187,12 @@ class Program:
     return out
 
   def plan(self, chip: str) -> str:
-    """The tiling of each kernel: name bm x bk x bn @ limit MiB (plan MiB)."""
+    """The tiling of each kernel: name bm x bk x bn [x2 visits a step] @ limit MiB (plan MiB)."""
     return "; ".join(
-        f"{name} {t.block_m}x{t.block_k}x{t.block_n} @{t.vmem_limit_bytes / 2**20:.0f} MiB "
-        f"(plan {t.vmem_plan_bytes / 2**20:.1f})" for name, t in self.tilings(chip))
+        f"{name} {t.block_m}x{t.block_k}x{t.block_n}"
+        f"{f' x{t.visits_per_step} visits a step' if t.visits_per_step > 1 else ''} "
+        f"@{t.vmem_limit_bytes / 2**20:.0f} MiB (plan {t.vmem_plan_bytes / 2**20:.1f})"
+        for name, t in self.tilings(chip))
 
 
 def model_programs(model: str, m: int, directions=("fwd", "bwd")) -> list[Program]:
