@@ -194,8 +194,8 @@ class Tiling:
   block_n: int
   vmem_limit_bytes: int
   vmem_plan_bytes: int
-  # Visits per grid step (`_paired_tiling`): 2 where one row tile and one k block cover the
-  # call (each visit then has a weight block of its own and no visit repeats a group).
+  # Visits per grid step: 2 at decode with 1-byte weights and one k block (`_paired_tiling`;
+  # each visit has weight blocks of its own), else 1.
   visits_per_step: int = 1
 
 
@@ -445,7 +445,8 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
   scoped-VMEM limit is raised to its plan if need be, up to the chip's maximum);
   otherwise the heuristic: one k block under a limit raised up to _ONE_K_BLOCK_MAX_LIMIT
   where k fits one (`_one_k_block_tiling`), else the best tiles under the default limit
-  (`_best_blocks`), and the whole weight where those pad n (`_whole_weight_tiling`).
+  (`_best_blocks`), and the whole weight where those pad n (`_whole_weight_tiling`). On
+  either, two visits per grid step at decode with 1-byte weights (`_paired_tiling`).
   `n_must_divide`: block_n must divide it (the gate/up halves of one concatenated weight
   are addressed in whole blocks).
   `interleaved` (with num_rhs=2): gate/up columns interleaved in one weight, de-interleaved
@@ -487,9 +488,10 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
   limit, budget = _resolve_limit(chip_, smallest, vmem_limit_bytes)
   if block_n is None:
     n_cands = [b for b in n_cands if b <= MAX_BLOCK_N] or n_cands[-1:]
-  if block_m is None and block_k is None and block_n is None and vmem_limit_bytes is None:
-    paired = functools.partial(_paired_tiling, m=m, k=k, num_groups=num_groups,
-                               quantized=quantized, plan=plan, chip=chip_)
+  explicit = any(b is not None for b in (block_m, block_k, block_n, vmem_limit_bytes))
+  paired = functools.partial(_paired_tiling, m=m, k=k, num_groups=num_groups,
+                             quantized=quantized, plan=plan, chip=chip_)
+  if not explicit:
     tuned = tuned_blocks(m, k, n, num_groups=num_groups, lhs_dtype=lhs_dtype,
                          rhs_dtype=rhs_dtype, out_dtype=out_dtype, num_rhs=num_rhs,
                          chip=chip_.name, interleaved=interleaved)
@@ -498,16 +500,14 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
       tuned_limit, tuned_budget = _resolve_limit(chip_, max(plan(bm, bk, bn), smallest), None)
       if plan(bm, bk, bn) <= tuned_budget:
         return paired(Tiling(bm, bk, bn, tuned_limit, plan(bm, bk, bn)))
-    best = _best_blocks(bm_cands, k_cands, n_cands, n, plan, budget,
-                        whole_k=k if quantized else None)
-    if best:
-      one_k = _one_k_block_tiling(bm_cands, k, k_cands, n_cands, n, plan, chip_)
-      if one_k:
-        best = one_k.block_m, one_k.block_k, one_k.block_n
-      whole = _whole_weight_tiling(best, k, n, plan, chip_)
-      return paired(whole or one_k or Tiling(*best, limit, plan(*best)))
   best = _best_blocks(bm_cands, k_cands, n_cands, n, plan, budget,
                       whole_k=k if quantized else None)
+  if best and not explicit:
+    one_k = _one_k_block_tiling(bm_cands, k, k_cands, n_cands, n, plan, chip_)
+    if one_k:
+      best = one_k.block_m, one_k.block_k, one_k.block_n
+    whole = _whole_weight_tiling(best, k, n, plan, chip_)
+    return paired(whole or one_k or Tiling(*best, limit, plan(*best)))
   if best:
     return Tiling(*best, limit, plan(*best))
   if block_m is not None or block_k is not None or block_n is not None:
