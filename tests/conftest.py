@@ -43,8 +43,8 @@ def _free_compiled_programs():
   """After each test module, drop jax's compiled programs (if jax was imported at all).
 
   Why: XLA:CPU maps every compiled program's code and data into memory (about three maps
-  per object, thousands per interpret-mode kernel), and jax keeps each program as long as
-  its jitted function lives. A process may hold at most vm.max_map_count maps (65,530 by
+  per object, about six per small jitted program, thousands per test module), and jax
+  keeps each program as long as its jitted function lives. A process may hold at most vm.max_map_count maps (65,530 by
   default); past it the next compile segfaults. CI's leg 1b (tests/torch and tests/release
   in one process) reached 64,930 maps on 2026-12-07 and crashed in the next compile.
   Modules rarely share a program, so clearing costs little; it also keeps RSS flat.
