@@ -152,3 +152,43 @@ print(json.dumps(row))
   assert "partial last blocks in the kernel" in row["method"]
   predicted = max(row["estimated_cycles"] / row["clock"], row["hbm_bytes"] / row["bw"]) * 1e6
   assert predicted >= row["roofline_us"] > 0
+
+
+@pytest.mark.aot
+def test_row_gather_probe_bf16_rows_do_not_compile_packed_rows_do():
+  """benchmarks/row_gather_probe.py (docs/performance.md's verdict on fusing moe.route's
+  gather into gate/up): Mosaic refuses a DMA of one bfloat16 row, and the same rows packed
+  as uint32 words compile and rate, at a per-row cost of the estimate's. If a libtpu ever
+  takes the bf16 row, the verdict's premise has changed: re-rate it."""
+  result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "row_gather_probe.py"),
+                           "--chips", "v6e", "--probes", "dma u32 rows", "dma bf16 rows",
+                           "--tokens", "256", "--top-k", "8", "--hidden", "256",
+                           "--block", "256"],
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = {r["probe"]: r for r in (json.loads(line[len("ROW "):])
+                                  for line in result.stdout.splitlines()
+                                  if line.startswith("ROW "))}
+  assert "aligned to tiles" in rows["dma bf16 rows"]["error"], rows["dma bf16 rows"]
+  packed = rows["dma u32 rows"]
+  assert packed["error"] is None and packed["cycles"] > 0 and packed["cycles_per_row"] > 0
+
+
+def test_row_gather_probe_gathers_and_packs_exactly():
+  """The probe's two programs compute what they claim (interpret mode, no TPU): the row
+  DMAs give x[ids], repeated and out-of-order ids included, and the packing keeps every
+  bfloat16 bit pattern, the first half of the row in the low 16 bits."""
+  import numpy as np
+  import jax.numpy as jnp
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import row_gather_probe as probe
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 2**32, size=(40, 256), dtype=np.uint32)
+  ids = rng.integers(0, 40, size=64).astype(np.int32)
+  ids[:3] = [39, 0, 39]
+  got = probe.row_dma_gather(jnp.asarray(x), jnp.asarray(ids), 16, interpret=True)
+  np.testing.assert_array_equal(np.asarray(got), x[ids])
+  bits = rng.integers(0, 2**16, size=(8, 256), dtype=np.uint16)
+  packed = np.asarray(probe.pack_bf16_pairs(jnp.asarray(bits).view(jnp.bfloat16)))
+  np.testing.assert_array_equal(packed & 0xFFFF, bits[:, :128])
+  np.testing.assert_array_equal(packed >> 16, bits[:, 128:])
