@@ -495,7 +495,10 @@ def gmm_tiling(m, k, n, *, num_groups, lhs_dtype, rhs_dtype, out_dtype, num_rhs=
     tuned = tuned_blocks(m, k, n, num_groups=num_groups, lhs_dtype=lhs_dtype,
                          rhs_dtype=rhs_dtype, out_dtype=out_dtype, num_rhs=num_rhs,
                          chip=chip_.name, interleaved=interleaved)
-    if tuned and tuned[0] % sub == 0 and tuned[1] in k_cands and tuned[2] in n_cands:
+    # A tuned block_k may be the whole k past MAX_BLOCK_K (the tuner rates it; the
+    # heuristic never proposes it): Mixtral-8x7B's down, k = 14336.
+    if (tuned and tuned[0] % sub == 0 and (tuned[1] in k_cands or tuned[1] == k)
+        and tuned[2] in n_cands):
       bm, bk, bn = min(tuned[0], m), tuned[1], tuned[2]
       tuned_limit, tuned_budget = _resolve_limit(chip_, max(plan(bm, bk, bn), smallest), None)
       if plan(bm, bk, bn) <= tuned_budget:

@@ -63,7 +63,8 @@ def test_every_entry_is_a_legal_block_that_fits_and_is_used(entry):
   key, (block_m, block_k, block_n) = R.TuningKey(*entry), TABLE[entry]
   chip = chips.get_chip(key.chip)
   assert block_m & (block_m - 1) == 0 and block_m <= R.MAX_BLOCK_M
-  assert block_k in R._lane_block_candidates(key.k, None, None)
+  # the whole k may be past MAX_BLOCK_K (the tuner rates it, gmm_tiling takes it)
+  assert block_k in R._lane_block_candidates(key.k, None, None) or block_k == key.k
   assert block_n in R._lane_block_candidates(key.n, None, key.n_must_divide)
   for m in (key.m_bucket, key.m_bucket // 2 + 1):
     t = _tiling(key, m)
@@ -235,7 +236,8 @@ def test_one_byte_weights_get_a_block_k_that_divides_k(chip, m, k, n):
     assert k % t.block_k == 0, (weights, t)
     assert t.vmem_plan_bytes <= t.vmem_limit_bytes
   if k == 14336 and chip == "v6e":
-    assert k % R.gmm_tiling(m, k, n, rhs_dtype=BF16, **common).block_k   # a tail for bf16
+    with mock.patch.dict(R.TUNED_BLOCKS, clear=True):   # the heuristic's, not the table's
+      assert k % R.gmm_tiling(m, k, n, rhs_dtype=BF16, **common).block_k   # a tail for bf16
 
 
 @pytest.mark.parametrize("chip, experts, k, n, m, weights, out, blocks", [
@@ -261,7 +263,8 @@ def test_outside_the_table_one_k_block_under_a_raised_limit(chip):
   split k: Mixtral-8x7B's gate/up at decode on both chips (block_k 1536 on v5e, 1024 on
   v6e), Qwen3-30B-A3B's on v5e (1024). The tiling is the one a caller gets by asking for
   its blocks. A k beyond MAX_BLOCK_K (Mixtral's down, k = 14336) is still cut, under the
-  default limit."""
+  default limit; the table holds one k block for it (at decode, 64 rows: 14336 x 512
+  bf16 weight blocks under a raised limit)."""
   chip_ = chips.get_chip(chip)
   common = dict(lhs_dtype=BF16, rhs_dtype=BF16, out_dtype=BF16, chip=chip)
   for m, k, n, groups, num_rhs in [(64, 4096, 14336, 8, 2), (64, 2048, 768, 128, 2),
@@ -278,9 +281,13 @@ def test_outside_the_table_one_k_block_under_a_raised_limit(chip):
   mixtral_gate_up = R.gmm_tiling(64, 4096, 14336, num_groups=8, num_rhs=2,
                                  n_must_divide=14336, **common)
   assert mixtral_gate_up.vmem_limit_bytes > chip_.default_scoped_vmem_bytes
-  mixtral_down = R.gmm_tiling(64, 14336, 4096, num_groups=8, **common)
+  with mock.patch.dict(R.TUNED_BLOCKS, clear=True):
+    mixtral_down = R.gmm_tiling(64, 14336, 4096, num_groups=8, **common)
   assert mixtral_down.block_k < 14336
   assert mixtral_down.vmem_limit_bytes == chip_.default_scoped_vmem_bytes
+  tuned_down = R.gmm_tiling(64, 14336, 4096, num_groups=8, **common)
+  assert tuned_down.block_k == 14336, tuned_down
+  assert tuned_down.vmem_limit_bytes > chip_.default_scoped_vmem_bytes
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
@@ -305,3 +312,22 @@ def test_an_n_that_every_lane_block_pads_takes_the_whole_weight(chip, weights, o
   too_big = R.gmm_tiling(256, 8192, 4000, **common)
   assert too_big.block_n < 4000 and vmem.round_up(4000, too_big.block_n) > 4000
   assert too_big.vmem_plan_bytes <= vmem.vmem_budget(chip_, too_big.vmem_limit_bytes)
+
+
+def test_a_tuned_whole_k_past_max_block_k_is_taken():
+  """The heuristic cuts a k past MAX_BLOCK_K; a table entry may still hold the whole k
+  (the tuner rates it: Mixtral-8x7B's down, k = 14336), and gmm_tiling takes it, under a
+  scoped limit raised to its plan. An entry whose block_k is neither a candidate nor the
+  whole k is not taken."""
+  m, k, n = 64, 1024, 256   # n within the patched MAX_BLOCK_K, which caps block_n's candidates too
+  key = R.tuning_key(m, k, n, num_groups=8, lhs_dtype=BF16, rhs_dtype=BF16, out_dtype=BF16,
+                     num_rhs=1, chip="v6e")
+  shape = dict(num_groups=8, lhs_dtype=BF16, rhs_dtype=BF16, out_dtype=BF16, chip="v6e")
+  with mock.patch.object(R, "MAX_BLOCK_K", 256):
+    assert k not in R._lane_block_candidates(k, None, None)
+    with mock.patch.dict(R.TUNED_BLOCKS, {dataclasses.astuple(key): (64, k, 256)}, clear=True):
+      t = R.gmm_tiling(m, k, n, **shape)
+      assert (t.block_m, t.block_k, t.block_n) == (64, k, 256), t
+      assert t.vmem_plan_bytes <= vmem.vmem_budget(chips.get_chip("v6e"), t.vmem_limit_bytes)
+    with mock.patch.dict(R.TUNED_BLOCKS, {dataclasses.astuple(key): (64, 768, 256)}, clear=True):
+      assert R.gmm_tiling(m, k, n, **shape).block_k <= 256   # 768: not a block the kernel takes
