@@ -42,7 +42,10 @@ max(cycles / clock, bytes / HBM bandwidth).
 Candidates: every (block_m, block_k, block_n) the kernel accepts whose VMEM plan fits
 under the chip's largest scoped limit (`Chip.max_vmem_limit_bytes`, 112 MiB on v5e and
 v6e; block_m a power of two from the sublane multiple to MAX_BLOCK_M, block_k and
-block_n from the kernel's own lane-block candidates). Until 2026-12-02 the ceiling was
+block_n from the kernel's own lane-block candidates, and block_k the whole k also where k
+is past the heuristic's MAX_BLOCK_K: gmm_tiling takes such a tuned entry, and one k block
+keeps a group's weight block in place across its visits, so unaligned routing refetches
+nothing; since 2026-12-07, rated for Mixtral-8x7B's down, k = 14336). Until 2026-12-02 the ceiling was
 64 MiB: the keys not re-rated since (all but Mixtral-8x7B's on v6e) chose among those
 candidates only, and a 65 MiB tiling rated 21% faster on Mixtral's gate/up at m=8192.
 block_m = 1024 is not a candidate: the estimator exhausts memory on it (Mixtral-sized
@@ -108,6 +111,12 @@ ROWS_BY_MODEL = {"qwen3-30b-a3b": (512, 8192, 65536)}
 # quantized decode rows whose heuristic tiling missed 0.85 of the quantized roofline
 # (docs/performance.md, "Quantized decode"), on both chips.
 QUANTIZED_ROWS_BY_MODEL = {"mixtral-8x7b": (512,)}
+# Down at decode where k is cut into blocks (past MAX_BLOCK_K, so no one-k-block tiling):
+# the heuristic stays under the default scoped-VMEM limit there and takes narrow n blocks,
+# re-reading the rows once per n block. Mixtral-8x7B's down (k = 14336) at 64 rows, every
+# weight dtype, both chips: tpu-inference's gmm rated 1.06x ahead of the heuristic's
+# tiling with int8 / fp8 weights on v5e (docs/performance.md, "tpu-inference").
+DOWN_DECODE_ROWS_BY_MODEL = {"mixtral-8x7b": (64,)}
 # Interleaved gate/up columns (their own kernel body, the "lanes" route): gpt-oss-20b's
 # gate/up at its prefill row of the experts layer, 8192 tokens x top-4, on both chips.
 INTERLEAVED_ROWS_BY_MODEL = {"gpt-oss-20b": (32768,)}
@@ -147,8 +156,9 @@ def model_shape(model: str) -> tuple[int, int, int]:
 def grid(chips_: tuple[str, ...] = CHIPS, models: tuple[str, ...] = MODELS,
          weight_dtypes: tuple[str, ...] = WEIGHT_DTYPES) -> list[R.TuningKey]:
   """The keys of `chips_` x `models` x `weight_dtypes` that MODELS_BY_CHIP (bf16),
-  QUANTIZED_ROWS_BY_MODEL (1-byte weights, every chip), INTERLEAVED_ROWS_BY_MODEL and
-  F32_OUT_ROWS_BY_MODEL (bf16, every chip) tune."""
+  QUANTIZED_ROWS_BY_MODEL (1-byte weights, every chip), DOWN_DECODE_ROWS_BY_MODEL (down
+  only, every weight dtype and chip), INTERLEAVED_ROWS_BY_MODEL and F32_OUT_ROWS_BY_MODEL
+  (bf16, every chip) tune."""
   keys = []
   for chip in chips_:
     for model in models:
@@ -161,6 +171,8 @@ def grid(chips_: tuple[str, ...] = CHIPS, models: tuple[str, ...] = MODELS,
         for m in rows:
           keys.append(R.TuningKey(chip, "bfloat16", wdt, 2, m, hidden, width, groups))  # gate/up
           keys.append(R.TuningKey(chip, "bfloat16", wdt, 1, m, width, hidden, groups))  # down
+        keys += [R.TuningKey(chip, "bfloat16", wdt, 1, m, width, hidden, groups)
+                 for m in DOWN_DECODE_ROWS_BY_MODEL.get(model, ())]
       if "bfloat16" in weight_dtypes:
         keys += [R.TuningKey(chip, "bfloat16", "bfloat16", 2, m, hidden, width, groups,
                              interleaved=True) for m in INTERLEAVED_ROWS_BY_MODEL.get(model, ())]
@@ -189,6 +201,8 @@ def candidates(key: R.TuningKey) -> list[tuple[int, int, int]]:
   block_ms = [b for b in (1 << i for i in range(3, 11))
               if sub <= b <= min(R.MAX_BLOCK_M, key.m_bucket)]
   block_ks = R._lane_block_candidates(key.k, None, None)
+  if key.k not in block_ks:   # the whole k past MAX_BLOCK_K too: gmm_tiling takes it tuned
+    block_ks.insert(0, key.k)
   block_ns = [b for b in R._lane_block_candidates(key.n, None, key.n_must_divide)
               if b <= R.MAX_BLOCK_N]
   out = []
