@@ -337,8 +337,9 @@ def experts_cell(kernels, fam: Family) -> str:
 
 # ------------------------------------------------------------------------------ the table
 
-# column name -> cell function (kernels, family) -> str. Add attention / norm columns here.
-from coverage_attention_norm import attention_cell, norm_cell  # noqa: E402
+# column name -> cell function (kernels, family) -> str, one module per column.
+from coverage_attention import attention_cell  # noqa: E402
+from coverage_norm import norm_cell  # noqa: E402
 
 COLUMNS = {"experts": experts_cell, "attention": attention_cell, "norm": norm_cell}
 

@@ -250,7 +250,7 @@ def test_sliding_window_from_the_mask_when_the_layer_passes_none(registered):
   sliding_window to the attention call: the window travels with the mask function's
   tensor (also without padding, where it carries no padding). It was computed as full
   causal attention before (logits 0.6 off eager, no error)."""
-  import coverage_attention_norm as columns
+  import coverage_attention as columns
   from transformers.models.phimoe.modeling_phimoe import PhimoeForCausalLM
 
   model = columns.tiny_causal_lm(PhimoeForCausalLM)
@@ -262,7 +262,7 @@ def test_sliding_window_from_the_mask_when_the_layer_passes_none(registered):
 def _tiny_bidirectional_stablelm():
   """StableLM with config.is_causal = False: Transformers builds bidirectional masks, its
   attention modules stay is_causal = True and (unlike Llama's) get no is_causal argument."""
-  import coverage_attention_norm as columns
+  import coverage_attention as columns
   from transformers import StableLmForCausalLM
 
   model = columns.tiny_causal_lm(StableLmForCausalLM)
@@ -300,7 +300,7 @@ BACKENDS = ["eager"] + (["aot_eager", "inductor"]
 
 
 def _tiny_phimoe():
-  import coverage_attention_norm as columns
+  import coverage_attention as columns
   from transformers.models.phimoe.modeling_phimoe import PhimoeForCausalLM
 
   model = columns.tiny_causal_lm(PhimoeForCausalLM)
@@ -372,7 +372,7 @@ def test_compiled_family_without_sdpa_support_is_refused(registered):
   """BigBird-Pegasus's decoder self-attention is not marked causal: the family check
   refuses it compiled too (it was skipped under torch.compile, and the kernel let the
   decoder see the future)."""
-  import coverage_attention_norm as columns
+  import coverage_attention as columns
   from transformers import BigBirdPegasusForCausalLM
 
   model = columns.tiny_causal_lm(BigBirdPegasusForCausalLM)

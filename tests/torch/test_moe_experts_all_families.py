@@ -26,23 +26,13 @@ bf16 on one class per distinct kind (activation, gate function, layout flags, po
 HYPOTHESIS_PROFILE=thorough runs bf16 on every class.
 """
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import reference_moe as ref
-
-ROOT = Path(__file__).resolve().parents[2]
-# Loaded by path under its own name: `coverage` is also the name of a PyPI package.
-_spec = importlib.util.spec_from_file_location("transformers_coverage",
-                                               ROOT / "scripts" / "coverage.py")
-coverage = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = coverage
-_spec.loader.exec_module(coverage)
+from coverage_walk import coverage
 
 BF16_BOUND = {"out": 3e-2, "grad": 6e-2}
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"

@@ -1,13 +1,7 @@
-"""The attention and norm columns of the coverage table (scripts/coverage.py): a cell is a
-function (kernels, family) -> str, "matches", "refused: <reason>" or "not applicable"
-(anything else names what went wrong before the kernel could be judged).
+"""The attention column of the coverage table (scripts/coverage.py): a cell is a function
+(kernels, family) -> str, "matches", "refused: <reason>" or "not applicable" (anything
+else names what went wrong before the kernel could be judged).
 
-norm: every class of the family decorated @use_kernel_forward_from_hub("RMSNorm") or
-  ("RMSNormZeroCentered") (transformers_integration.hub_rms_norm_classes), kernelized with
-  rms-norm-tpu and compared with its own forward (rms_norm_class_mismatch: float32,
-  bfloat16, bfloat16 input with a float32 weight; float32 gradients) within the
-  tolerances tests/torch/test_kernelize.py documents; the layer's NotImplementedError is
-  a refusal.
 attention: the family's first *ForCausalLM class built small from its own config class
   (ATTENTION_TINY where the config has the attribute: 2 layers, 4 query / 2 KV heads of
   16, vocab 128, weights std 0.2, a sliding window of 8 and an attention chunk of 6 where
@@ -21,13 +15,6 @@ attention: the family's first *ForCausalLM class built small from its own config
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import transformers_integration as ti  # noqa: E402
 
 ATTENTION_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -44,38 +31,6 @@ ATTENTION_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 MAX_PARAMETERS = 50_000_000   # a tiny model has ~0.1M; far more means the shrink missed a size
 COVERAGE_ATTENTION = "tpu_attention_coverage"   # registered with a call counter
 _PAD, _SEQ = 3, 12
-
-
-def _repo_id(name: str) -> str:
-  import build
-
-  return f"{build.load_manifest()['collection']['hub-org']}/{name}"
-
-
-def norm_cell(kernels, fam) -> str:
-  """The norm column (module docstring)."""
-  from kernels import Mode
-
-  classes = [cls for family, cls in ti.hub_rms_norm_classes() if family == fam.name]
-  if not classes:
-    return "not applicable"
-  repo = _repo_id("rms-norm-tpu")
-  problems = []
-  for cls in classes:
-    for x_dtype, weight_dtype in ti.RMS_NORM_CASES:
-      case = f"{cls.__name__} ({str(x_dtype)[6:]} x, {str(weight_dtype)[6:]} weight)"
-      try:
-        problem = ti.rms_norm_class_mismatch(cls, repo, x_dtype, weight_dtype,
-                                             mode=Mode.TRAINING)
-      except NotImplementedError as e:
-        problem = str(e)
-      except Exception as e:  # noqa: BLE001  (reported in the cell)
-        problem = f"crash: {type(e).__name__}: {e}"
-      if problem is not None:
-        problems.append(f"{case}: {problem}")
-  if problems:
-    return "refused: " + "; ".join(problems)
-  return "matches" if len(classes) == 1 else f"matches ({len(classes)} classes)"
 
 
 def _register_counting_attention(kernel) -> list:

@@ -1,0 +1,43 @@
+"""The attention column of `python scripts/coverage.py` (scripts/coverage_attention.py) on
+a fast subset of families, one per kind of cell (the whole table is the script's thorough
+mode; the norm column's subset is tests/torch/test_coverage_norm.py):
+
+  llama            matches
+  llama4           matches (chunked attention layers)
+  qwen3_5          matches (hybrid: one linear, one full layer)
+  doge             refused: it asks for its causal mask materialized
+  bigbird_pegasus  refused: its family declares neither SDPA nor FlashAttention (its
+                   decoder self-attention is not marked causal: the kernel would see the
+                   future; before this refusal the cell read "differs", logits 0.73 off)
+  falcon           not applicable: not through Transformers' AttentionInterface
+  phimoe           matches: its sliding window comes from the mask (the layers pass none;
+                   before, the cell read "differs", logits 0.9 off)
+
+The cells judge the kernel against Transformers' eager attention (tolerances in the
+module's docstring).
+"""
+
+import pytest
+
+import coverage_attention as columns
+from coverage_walk import coverage
+
+EXPECTED = {
+    "llama": "matches",
+    "llama4": "matches",
+    "qwen3_5": "matches",
+    "doge": "refused: flash-attention-tpu: the model asks for its causal mask materialized",
+    "bigbird_pegasus": "refused: attention_forward: BigBirdPegasusDecoderAttention's family",
+    "falcon": "not applicable (FalconForCausalLM's attention does not go through",
+    "phimoe": "matches",
+}
+
+
+def test_column_is_registered():
+  assert coverage.COLUMNS["attention"] is columns.attention_cell
+
+
+@pytest.mark.parametrize("family", list(EXPECTED))
+def test_cells(flash, family):
+  fam = coverage.family(family)
+  assert columns.attention_cell({"flash-attention-tpu": flash}, fam).startswith(EXPECTED[family])
