@@ -2,10 +2,10 @@
 # README command 1: set everything up from nothing, build every kernel repo, run the main job.
 #
 #   .venv/          Python 3.11, requirements.txt (jax 0.10.2, libtpu 0.0.42.1, torch 2.13.0 CPU, ...)
-#   .venv-jax012/   Python 3.12, requirements-jax012.txt (jax 0.12.0.1, libtpu 0.0.50.1): the
-#                   stack TorchTPU needs; the JAX-only tests run there too (scripts/test.sh)
+#   .venv-jax012/   Python 3.12, requirements-jax012.txt (jax 0.12.1, libtpu 0.0.52): the newest
+#                   jax and the libtpu TorchTPU runs with; the JAX-only tests run there too (scripts/test.sh)
 #   .venv-torchtpu/ Python 3.11, requirements-torchtpu.txt: the real TorchTPU 0.2.0 wheel (torch-tpu,
-#                   cp311 only) on torch 2.13.0 CPU, jax 0.10.2 and libtpu 0.0.50.1; never autoloaded
+#                   cp311 only) on torch 2.13.0 CPU, jax 0.10.2, libtpu 0.0.52 and kernels 0.19.1; never autoloaded
 #                   (TORCH_DEVICE_BACKEND_AUTOLOAD=0): tests/torchtpu runs there (scripts/test.sh)
 #   .venv-tokamax/  Python 3.11, requirements-tokamax.txt (tokamax 0.0.12 on the main stack's jax and
 #                   libtpu): only benchmarks/anchors.py's tokamax children run there
@@ -15,7 +15,8 @@
 #                   TPU kernels, on the jax 0.11.2 / libtpu 0.0.48 it pins), installed --no-deps:
 #                   only benchmarks/anchors_tpu_inference.py's children run there (from either stack)
 #
-# Only `pip install` reaches the network (the package index). Everything after it runs with
+# Only pip reaches the network (the package index): the installs, and the dry run that checks the
+# README's TPU-VM install line (scripts/check_install_line.py). Everything after it runs with
 # JAX_PLATFORMS=cpu and, where this user may, with the network cut (`unshare -n`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -78,9 +79,24 @@ if (( free_gb < required_free_gb )) && ! all_venvs_installed; then
   exit 1
 fi
 
+# The README's TPU-VM install line, resolved as a user's pip would (a dry run against the
+# index, about 1-2 minutes of network waits): in the background while the venvs install.
+mkdir -p build-reports
+python3_11=$(find_python 3.11)
+"$python3_11" scripts/check_install_line.py --python "$python3_11" \
+  > build-reports/install-line.log 2>&1 &
+install_line_check=$!
+
 while read -r dir version lock no_deps <&3; do
   make_venv "$dir" "$version" "$lock" $no_deps
 done 3<<< "$VENVS"
+
+echo "== the README's TPU-VM install line against the index (scripts/check_install_line.py)"
+if ! wait $install_line_check; then
+  grep -v "is ignored: it is neither a file nor a directory" build-reports/install-line.log >&2
+  exit 1
+fi
+grep -v "is ignored: it is neither a file nor a directory" build-reports/install-line.log
 
 echo "== main job (builds every kernel repo into dist/, then runs them)"
 without_libtpu_noise offline .venv/bin/python scripts/demo.py

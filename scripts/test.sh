@@ -4,7 +4,7 @@
 #          1a tests/jax but two AOT modules (RMSNorm, paged), which 1b runs before
 #          tests/torch and tests/release (the split that makes 1a, 1b and leg 2 take about
 #          as long). The one: v5e's flash tuning-table programs compile on leg 2 instead
-#   leg 2: .venv-jax012 (Python 3.12, jax 0.12.0.1, libtpu 0.0.50.1): the JAX-only tests (tests/jax)
+#   leg 2: .venv-jax012 (Python 3.12, jax 0.12.1, libtpu 0.0.52): the JAX-only tests (tests/jax)
 #   leg 3: .venv-torchtpu (Python 3.11, the real torch-tpu 0.2.0 wheel, never autoloaded):
 #          tests/torchtpu, every op through TorchTPU's jax_op up to the device call; the
 #          programs it exports are compiled for v5e / v6e by .venv-jax012's libtpu. Then,
@@ -22,7 +22,7 @@ source scripts/env.sh
 # Leg 2 re-checks kernels leg 1 checks in full, so by default it draws fewer examples and
 # compiles ahead of time (tests/jax/*aot*) for v6e only, the chip TorchTPU targets: leg 1
 # compiles every matrix for v5e and v6e with libtpu 0.0.42 (but v5e's flash tuning table,
-# below); leg 2 adds libtpu 0.0.50's
+# below); leg 2 adds libtpu 0.0.52's
 # verdict on the feature programs, the paged tuning table, the quantized and sharded
 # programs, and of the default-shape matrices the headline column: flash attention at
 # head_dim 128 (whose v6e tiling is a tuning-table entry), paged decode at 32/8 heads x
@@ -35,8 +35,8 @@ source scripts/env.sh
 # run them there. A -k of yours replaces this selection on leg 2 (pytest keeps the last -k).
 # One compile set moves the other way: v5e's flash tuning-table programs (18 backward
 # programs, ~690 s of leg 1a's critical path on 2026-12-03) compile on leg 2 only, with
-# libtpu 0.0.50.1, the compiler TorchTPU runs them with; leg 1 compiles v6e's table.
-# v7's compiles (tests/jax/test_v7_aot.py) run on leg 2, with libtpu 0.0.50.1, the newer
+# libtpu 0.0.52, the compiler TorchTPU runs them with; leg 1 compiles v6e's table.
+# v7's compiles (tests/jax/test_v7_aot.py) run on leg 2, with libtpu 0.0.52, the newer
 # compiler for the newest chip (0.0.42.1 compiles them too: 22 passed on 2026-12-06).
 leg1_deselect=("tests/jax/test_flash_attention_aot.py::test_tuning_table_entries_compile[v5e]"
                "tests/jax/test_v7_aot.py")
@@ -67,7 +67,7 @@ after() {  # after PID CMD...: run CMD once process PID has ended
   "$@"
 }
 
-echo "== leg 2 started in the background: Python 3.12, jax 0.12.0.1, libtpu 0.0.50.1 (tests/jax)"
+echo "== leg 2 started in the background: Python 3.12, jax 0.12.1, libtpu 0.0.52 (tests/jax)"
 echo "   then leg 3: Python 3.11, torch-tpu 0.2.0 (tests/torchtpu), and the exit check on .venv"
 HYPOTHESIS_PROFILE=$leg2_profile background leg2 offline .venv-jax012/bin/python -m pytest \
   tests/jax -k "$leg2_select" --durations=15 \
@@ -113,7 +113,7 @@ leg3=$?
 trap - EXIT
 echo "== leg 1b: Python 3.11, torch 2.13.0 (${leg1b_files[*]}), its output:"
 cat build-reports/test-leg1b.log
-echo "== leg 2: Python 3.12, jax 0.12.0.1, libtpu 0.0.50.1 (tests/jax), its output:"
+echo "== leg 2: Python 3.12, jax 0.12.1, libtpu 0.0.52 (tests/jax), its output:"
 cat build-reports/test-leg2.log
 echo "== leg 3: Python 3.11, torch-tpu 0.2.0 (tests/torchtpu), then $exit_check, its output:"
 cat build-reports/test-leg3.log

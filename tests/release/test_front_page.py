@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -118,18 +117,17 @@ def test_every_relative_link_resolves(path):
 
 def test_install_line_is_the_tested_lock():
   """README and cards (build.toml tpu-vm-install) give one install line, and each of its
-  pins is requirements-torchtpu.txt's, the stack tests/torchtpu runs the real wheel on."""
-  with open(ROOT / "build.toml", "rb") as f:
-    install = tomllib.load(f)["collection"]["tpu-vm-install"]
+  pins is the locks' (check_install_line.tested_versions: requirements-torchtpu.txt's, the
+  stack tests/torchtpu runs the real wheel on, else requirements.txt's)."""
+  import check_install_line
+
+  install = check_install_line.install_line()
   assert f"```\n{install}\n```" in _section(README.read_text(), "## Install on a TPU VM")
-  norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
-  lock = {norm(l.split("==")[0]): l.split("==")[1].strip()
-          for l in (ROOT / "requirements-torchtpu.txt").read_text().splitlines()
-          if "==" in l and not l.startswith("#")}
-  pins = re.findall(r"([A-Za-z0-9_.\-]+)==([\w.]+)", install)
-  assert {norm(n) for n, _ in pins} >= {"torch-tpu", "torch", "jax", "jaxlib", "libtpu", "kernels"}
-  for name, version in pins:
-    assert lock.get(norm(name)) == version, (name, version, lock.get(norm(name)))
+  tested = check_install_line.tested_versions()
+  pins = {check_install_line.normalize(name): version
+          for name, version in re.findall(r"([A-Za-z0-9_.\-]+)==([\w.]+)", install)}
+  assert set(pins) == set(check_install_line.STACK) - {"huggingface-hub"}
+  assert pins == {name: tested[name] for name in pins}
   for card in _cards():
     assert "```\n{install}\n```" in card.read_text().split("## Details")[0], card
 
