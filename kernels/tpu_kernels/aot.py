@@ -97,9 +97,8 @@ class RowMajor(jax.ShapeDtypeStruct):
 
 def _on_device(spec, device):
   from jax.experimental.layout import Format, Layout
-  from jax.sharding import SingleDeviceSharding
 
-  sharding = SingleDeviceSharding(device)
+  sharding = jax.sharding.make_single_device_sharding(device)
   if isinstance(spec, RowMajor):
     sharding = Format(Layout(major_to_minor=tuple(range(len(spec.shape)))), sharding)
   return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding)
