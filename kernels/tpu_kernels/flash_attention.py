@@ -21,7 +21,8 @@ Backward (first order; lse is differentiable too, with cotangent g_lse):
     di[i]  = sum_d dout[i, d] * out[i, d] - g_lse[i]
     p      = exp(s - lse)              (recomputed per block from the saved lse)
     dv[j]  = sum_{h in group, i} p[i, j] dout[i]
-    ds     = p * (dout . v[j] - di[i]) * (1 - tanh^2(s_raw / soft_cap))   (last factor with soft_cap)
+    ds     = p * (dout . v[j] - di[i]) * sech^2(s_raw / soft_cap)   (last factor with soft_cap;
+             sech^2 as 4u / (1 + u)^2, u = exp(-2|x|), never 1 - tanh^2, which cancels)
     dq[i]  = sm_scale * sum_j ds[i, j] k[j]
     dk[j]  = sm_scale * sum_{h in group, i} ds[i, j] q[i]
     dsinks[h] = -sum_{b, i} exp(sinks[h] - lse[i]) * di[i]
@@ -554,12 +555,30 @@ def _causal_mask(rows: slice, keys: slice, st: _Static, keys_on_sublanes: bool =
 
 
 def _logits(s, st: _Static):
-  """Scaled (and soft-capped) f32 logits; also tanh(s / soft_cap) for the backward."""
+  """Scaled (and soft-capped) f32 logits, for the forward."""
+  s = s * st.sm_scale
+  if st.soft_cap is None:
+    return s
+  return st.soft_cap * jnp.tanh(s * (1.0 / st.soft_cap))
+
+
+def _logits_and_cap_slope(s, st: _Static):
+  """The backward's logits (as `_logits`) and the soft cap's slope d(capped) / d(scaled),
+  sech^2(x) with x = scaled logit / soft_cap (None without a cap).
+
+  From u = exp(-2|x|): tanh(x) = sign(x) (1 - u) / (1 + u) and sech^2(x) = 4u / (1 + u)^2.
+  The slope as 1 - tanh^2 cancels: tanh rounds to 1 within an ulp once |x| passes ~4, and
+  1 - tanh^2 keeps only the digits tanh's rounding left (a dq 2e-3 off at cap 5 with
+  unscaled logits of 16-32: issue 61); 4u / (1 + u)^2 has its full relative precision at
+  every x. One exp and one reciprocal give both."""
   s = s * st.sm_scale
   if st.soft_cap is None:
     return s, None
-  t = jnp.tanh(s * (1.0 / st.soft_cap))
-  return st.soft_cap * t, t
+  x = s * (1.0 / st.soft_cap)
+  u = jnp.exp(-2.0 * jnp.abs(x))
+  r = 1.0 / (1.0 + u)
+  t = jnp.where(x < 0, u - 1.0, 1.0 - u) * r
+  return st.soft_cap * t, 4.0 * u * r * r
 
 
 # ----------------------------------------------------------------------------- forward
@@ -596,7 +615,7 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
     """One online-softmax step of head g's query rows `rows` (a static slice) with the
     dot products s (rows, keys), their visibility `mask` (or None) and the keys' values v."""
     if not raw:
-      s, _ = _logits(s, st)
+      s = _logits(s, st)
     if mask is not None:
       # -inf, not _MASK_VALUE: the running max starts at the finite _MASK_VALUE, so
       # m_new is always finite and a masked logit's p = exp(-inf - m_new) is exactly 0,
@@ -780,13 +799,13 @@ def _dq_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di
       s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
       dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
       lse, di = lse_ref[g][rows][:, None], di_ref[g][rows][:, None]
-    s, t = _logits(s, st)
+    s, slope = _logits_and_cap_slope(s, st)
     p = jnp.exp(s - lse)
     if mask is not None:
       p = jnp.where(mask, p, 0.0)
     ds = p * (dp - di)
-    if t is not None:
-      ds = ds * (1.0 - t * t)
+    if slope is not None:
+      ds = ds * slope
     ds = ds.astype(k.dtype)
     if transposed:
       acc_ref[g, :, rows] += lax.dot_general(k, ds, _TN, preferred_element_type=jnp.float32)
@@ -863,7 +882,8 @@ def _dkv_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
     if tail:
       q, do = (_in_bounds(x, q_block * bq, st.q_len) for x in (q, do))
       lse, di = (_in_bounds(x, q_block * bq, st.q_len, axis=1) for x in (lse, di))
-    s, t = _logits(lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32), st)
+    s, slope = _logits_and_cap_slope(
+        lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32), st)
     p = jnp.exp(s - lse)
     if mask is not None:
       p = jnp.where(mask, p, 0.0)
@@ -871,8 +891,8 @@ def _dkv_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
                                            preferred_element_type=jnp.float32)
     dp = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
     ds = p * (dp - di)
-    if t is not None:
-      ds = ds * (1.0 - t * t)
+    if slope is not None:
+      ds = ds * slope
     dk_acc_ref[keys, :] += lax.dot_general(ds.astype(q.dtype), q, _NN,
                                            preferred_element_type=jnp.float32)
 
