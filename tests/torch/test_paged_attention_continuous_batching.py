@@ -14,7 +14,12 @@ that this happened: a page (block) held by two different requests in turn, a ker
 that mixes a decode token with a prefill chunk, one write_kv_pages_ and one
 ragged_paged_attention call per layer per step, and the kernel reading and the write
 writing the engine's own cache tensor (same storage, no copy; the write given it once, as
-its one cache). A corrupted page must change the tokens.
+its one cache). In place, proven rather than assumed: the cache's allocator is the
+package's KernelPagesAllocator, and the engine's own write and gather (index_copy_ into,
+index_select from, its K/V rows of the cache tensor) never ran, counted at torch's entry
+points (the counters do count the engine's own update on the same cache). A corrupted page
+must change the tokens. K/V that did not go through the package's allocator in the step
+(no cache.update, or changed after it) make the attention raise.
 
 Default cases: (llama, page 16), (qwen3, page 64), (gpt_oss, page 16). With
 HYPOTHESIS_PROFILE=thorough: every family with both page sizes.
@@ -22,6 +27,7 @@ HYPOTHESIS_PROFILE=thorough: every family with both page sizes.
 
 import itertools
 import os
+import re
 
 import pytest
 import torch
@@ -86,6 +92,11 @@ class EngineRecorder:
     self.write_cache_storages = set()   # the storage of every write's one cache
     self.writes = 0
     self.corrupted = None
+    # index_copy_ into / index_select from the engine's cache tensor viewed in the model's
+    # dtype: the engine's own K/V write and gather (FullAttentionCacheAllocator.update).
+    # Its uint8 views only move whole blocks (fork, CPU offload), in any page layout.
+    self.engine_kv_writes = 0
+    self.engine_kv_gathers = 0
     recorder = self
     allocate = FullAttentionCacheAllocator.allocate_cache_to_request
     extend = PagedAttentionCache.extend_read_and_write_indices
@@ -117,6 +128,23 @@ class EngineRecorder:
       recorder.write_cache_storages.add(cache.untyped_storage().data_ptr())
       return write_op(cache, *rest)
 
+    index_select, index_copy_ = torch.index_select, torch.Tensor.index_copy_
+
+    def engine_kv_rows(t):
+      return (recorder.cache is not None and t.dtype != torch.uint8
+              and t.untyped_storage().data_ptr()
+              == recorder.cache.cache_tensor.untyped_storage().data_ptr())
+
+    def counting_index_select(input, *args, **kwargs):
+      recorder.engine_kv_gathers += engine_kv_rows(input)
+      return index_select(input, *args, **kwargs)
+
+    def counting_index_copy_(tensor, *args, **kwargs):
+      recorder.engine_kv_writes += engine_kv_rows(tensor)
+      return index_copy_(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "index_select", counting_index_select)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", counting_index_copy_)
     monkeypatch.setattr(FullAttentionCacheAllocator, "allocate_cache_to_request",
                         recording_allocate)
     monkeypatch.setattr(PagedAttentionCache, "extend_read_and_write_indices", recording_extend)
@@ -124,13 +152,17 @@ class EngineRecorder:
     monkeypatch.setattr(paged, "write_kv_pages_op", recording_write)
 
 
-def _serve(paged, model, prompts, page_size: int) -> list[list[int]]:
-  """generate_batch on the kernel; the model goes back to eager attention afterwards."""
+def _engine_config(page_size: int):
   from transformers import ContinuousBatchingConfig
 
-  config = ContinuousBatchingConfig(page_size=page_size, num_blocks=NUM_BLOCKS[page_size],
-                                    max_batch_tokens=MAX_BATCH_TOKENS,
-                                    max_requests_per_batch=MAX_REQUESTS_PER_BATCH)
+  return ContinuousBatchingConfig(page_size=page_size, num_blocks=NUM_BLOCKS[page_size],
+                                  max_batch_tokens=MAX_BATCH_TOKENS,
+                                  max_requests_per_batch=MAX_REQUESTS_PER_BATCH)
+
+
+def _serve(paged, model, prompts, page_size: int) -> list[list[int]]:
+  """generate_batch on the kernel; the model goes back to eager attention afterwards."""
+  config = _engine_config(page_size)
   assert paged.set_continuous_batching_attention(model) == paged.CONTINUOUS_BATCHING_ATTENTION_NAME
   try:
     outputs = model.generate_batch(prompts, generation_config=_generation_config(model),
@@ -153,8 +185,9 @@ def test_generate_batch_matches_generate(paged, family, page_size, monkeypatch):
   assert got == expected
 
   # Every layer's cache is one full-attention group (gpt-oss's sliding layers included),
-  # with the requested page size.
+  # with the requested page size, kept by the package's allocator.
   (allocator,) = recorder.cache.cache_allocators.values()
+  assert type(allocator) is paged.continuous_batching.kernel_pages_allocator_class()
   assert allocator.layer_type == "full_attention"
   assert allocator.layer_indices == list(range(model.config.num_hidden_layers))
   assert allocator.tokens_per_page == page_size
@@ -175,6 +208,18 @@ def test_generate_batch_matches_generate(paged, family, page_size, monkeypatch):
   engine_storage = recorder.cache.cache_tensor.untyped_storage().data_ptr()
   assert recorder.k_cache_storages == {engine_storage}
   assert recorder.write_cache_storages == {engine_storage}
+  # In place: the engine neither wrote nor gathered K/V rows of its cache.
+  assert (recorder.engine_kv_writes, recorder.engine_kv_gathers) == (0, 0)
+  # ... and the counters see the engine's own update on this cache: one token of layer 0,
+  # written to the engine's write-trash row and read back from its read-trash row.
+  from transformers.generation.continuous_batching.cache_allocators import (
+      FullAttentionCacheAllocator)
+
+  token = torch.zeros(1, allocator.num_key_value_heads, allocator.head_dim)
+  FullAttentionCacheAllocator.update(allocator, token, token, 0,
+                                     torch.tensor([allocator.read_trash_index]),
+                                     torch.tensor([allocator.write_trash_index]))
+  assert (recorder.engine_kv_writes, recorder.engine_kv_gathers) == (2, 2)
 
 
 def test_a_corrupted_page_changes_the_tokens(paged, monkeypatch):
@@ -202,18 +247,72 @@ def test_outside_the_engine_it_refuses(paged):
     model.generate(torch.tensor([[5, 6, 7]]), generation_config=_generation_config(model))
 
 
+@pytest.mark.parametrize("update,error", [
+    ("skipped", "not written to the engine's paged cache by this attention's allocator"),
+    ("copied", "other than the .* its cache.update wrote"),
+])
+def test_kv_the_allocator_did_not_write_are_refused(paged, monkeypatch, update, error):
+  """Inside the engine, the attention refuses K/V that did not reach the cache through the
+  package's allocator in this step: a cache.update that does not call the allocator (as
+  for a model that writes no cache), or K/V changed after the write. Every request then
+  fails with that error (the engine reports it per request); nothing is generated."""
+  from transformers.generation.continuous_batching import PagedAttentionCache
+
+  engine_update = PagedAttentionCache.update
+
+  def skipped(cache, key_states, value_states, layer_idx, kwargs):
+    allocator = cache.layer_to_allocator[layer_idx]
+    kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type]
+    kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]
+    return key_states, value_states
+
+  def copied(cache, key_states, value_states, layer_idx, kwargs):
+    k, v = engine_update(cache, key_states, value_states, layer_idx, kwargs)
+    return k.clone(), v
+
+  monkeypatch.setattr(PagedAttentionCache, "update", {"skipped": skipped, "copied": copied}[update])
+  model = ti.tiny_attention_model("llama", torch.float32)
+  paged.set_continuous_batching_attention(model)
+  try:
+    outputs = model.generate_batch(_prompts(model.config.vocab_size)[:2],
+                                   generation_config=_generation_config(model), warmup=False,
+                                   continuous_batching_config=_engine_config(16))
+  finally:
+    model.set_attn_implementation("eager")
+  assert len(outputs) == 2
+  for output in outputs.values():
+    assert output.error is not None and re.search(error, output.error), output.error
+    assert output.generated_tokens == []
+
+
 def test_other_models_keep_the_engines_cache_groups(paged):
-  """The one-group cache is only for models on this attention: the engine still gives an
-  eager gpt-oss its sliding-window group."""
+  """The one-group cache and the package's allocator are only for models on this
+  attention: the engine still gives an sdpa gpt-oss its sliding-window group and its own
+  allocators. Registering twice wraps the engine's functions once."""
+  from transformers.generation.continuous_batching import PagedAttentionCache
   from transformers.generation.continuous_batching import cache as cb_cache
+  from transformers.generation.continuous_batching.distributed import DistributedHelper
 
   paged.register_continuous_batching()
+  wrapped = (cb_cache.group_layers_by_attn_type, PagedAttentionCache._create_allocator)
+  paged.register_continuous_batching()
+  assert (cb_cache.group_layers_by_attn_type, PagedAttentionCache._create_allocator) == wrapped
+
+  def allocators(config):
+    engine_config = _engine_config(16)
+    engine_config.max_memory_percent = 0.5   # the engine resolves it; num_blocks sizes
+    cache = PagedAttentionCache(config, engine_config, device="cpu",
+                                distributed_helper=DistributedHelper(None, None),
+                                dtype=torch.float32)
+    return {kind: type(allocator) for kind, allocator in cache.cache_allocators.items()}
+
   config = ti.tiny_attention_config("gpt_oss")
   config._attn_implementation = "sdpa"
-  assert set(cb_cache.group_layers_by_attn_type(config)) == {"full_attention",
-                                                             "sliding_attention"}
+  assert allocators(config) == cb_cache.ATTN_TYPE_TO_ALLOCATOR
   config._attn_implementation = paged.CONTINUOUS_BATCHING_ATTENTION_NAME
   assert cb_cache.group_layers_by_attn_type(config) == {"full_attention": [0, 1]}
+  assert allocators(config) == {
+      "full_attention": paged.continuous_batching.kernel_pages_allocator_class()}
 
 
 def test_a_float16_model_is_refused(paged):
