@@ -200,7 +200,7 @@ def _kv_scales(model, prompts, expected, qmax):
   with torch.no_grad():
     for name, prompt in prompts.items():
       ids = torch.cat([prompt, torch.tensor(expected[name][0])])[None]
-      cache = model(input_ids=ids, use_cache=True).past_key_values
+      cache = model(input_ids=ids, use_cache=True).cache
       for layer in cache.layers:                     # keys/values [1, Hkv, S, D], rotary applied
         k_max = torch.maximum(k_max, layer.keys.abs().amax(dim=(0, 2, 3)))
         v_max = torch.maximum(v_max, layer.values.abs().amax(dim=(0, 2, 3)))
