@@ -1,16 +1,20 @@
 """The norm column of the coverage table (scripts/coverage.py): a cell is a function
 (kernels, family) -> str, "matches", "refused: <reason>" or "not applicable".
 
-norm: every class of the family decorated @use_kernel_forward_from_hub("RMSNorm") or
-  ("RMSNormZeroCentered") (transformers_integration.hub_rms_norm_classes), kernelized with
-  rms-norm-tpu and compared with its own forward (rms_norm_class_mismatch: float32,
-  bfloat16, bfloat16 input with a float32 weight; float32 gradients) within the
-  tolerances tests/torch/test_kernelize.py documents; the layer's NotImplementedError is
-  a refusal.
+norm: every RMSNorm class of the family, by class (transformers_integration.rms_norm_layer:
+  the classes Transformers decorates @use_kernel_forward_from_hub("RMSNorm") or
+  ("RMSNormZeroCentered") and their subclasses, and the undecorated classes named *RMSNorm
+  that cls(hidden, eps=eps) builds with one weight and an epsilon; not the gated
+  *RMSNormGated norms, nor norms without a weight), kernelized with rms-norm-tpu
+  (kernelize_rms_norm) and compared with its own forward (rms_norm_class_mismatch: float32,
+  bfloat16, bfloat16 input with a float32 weight; float32 gradients) within the tolerances
+  tests/torch/test_kernelize.py documents; the layer's NotImplementedError is a refusal,
+  and so is a modeling module of the family that mentions RMSNorm and does not import.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -29,23 +33,26 @@ def norm_cell(kernels, fam) -> str:
   """The norm column (module docstring)."""
   from kernels import Mode
 
-  classes = [cls for family, cls in ti.hub_rms_norm_classes() if family == fam.name]
-  if not classes:
+  problems = [f"{name} does not import ({error})" for name, error in fam.import_errors.items()
+              if "RMSNorm" in Path(importlib.util.find_spec(name).origin).read_text()]
+  classes = fam.classes(lambda cls: ti.rms_norm_layer(cls) is not None)
+  if not classes and not problems:
     return "not applicable"
   repo = _repo_id("rms-norm-tpu")
-  problems = []
-  for cls in classes:
-    for x_dtype, weight_dtype in ti.RMS_NORM_CASES:
-      case = f"{cls.__name__} ({str(x_dtype)[6:]} x, {str(weight_dtype)[6:]} weight)"
-      try:
-        problem = ti.rms_norm_class_mismatch(cls, repo, x_dtype, weight_dtype,
-                                             mode=Mode.TRAINING)
-      except NotImplementedError as e:
-        problem = str(e)
-      except Exception as e:  # noqa: BLE001  (reported in the cell)
-        problem = f"crash: {type(e).__name__}: {e}"
-      if problem is not None:
-        problems.append(f"{case}: {problem}")
+  with ti.kernel_mapping_scope():   # the mapping and marks end with the cell
+    for cls in classes:
+      for x_dtype, weight_dtype in ti.RMS_NORM_CASES:
+        case = f"{cls.__name__} ({str(x_dtype)[6:]} x, {str(weight_dtype)[6:]} weight)"
+        try:
+          problem = ti.rms_norm_class_mismatch(cls, repo, x_dtype, weight_dtype,
+                                               mode=Mode.TRAINING)
+        except NotImplementedError as e:   # refused: the other cases would say the same
+          problems.append(f"{case}: {e}")
+          break
+        except Exception as e:  # noqa: BLE001  (reported in the cell)
+          problem = f"crash: {type(e).__name__}: {e}"
+        if problem is not None:
+          problems.append(f"{case}: {problem}")
   if problems:
     return "refused: " + "; ".join(problems)
   return "matches" if len(classes) == 1 else f"matches ({len(classes)} classes)"
