@@ -6,8 +6,11 @@ and show that every kernel compiles for each TPU generation.
 1. scripts/build.py writes dist/<kernel>/ for every ready kernel of build.toml.
 2. `get_kernel("<org>/rms-norm-tpu", version=1)` loads it through the real `kernels`
    loader (LOCAL_KERNELS points the repo id at dist/, since the Hub is not reachable here).
-3. A tiny randomly initialised Qwen3 model is kernelized (its RMSNorms run the Pallas
-   kernel, in interpret mode on this CPU) and generates tokens next to the stock model.
+3. The RMSNorm recipe (transformers 5.25): rms-norm-tpu's layers registered in the
+   process's kernel mapping, then a tiny randomly initialised Qwen3 saved and loaded with
+   `from_pretrained`, which kernelizes it on load (its RMSNorms run the Pallas kernel, in
+   interpret mode on this CPU, and still do after train() / eval(), which kernelize
+   again); it generates tokens next to the same checkpoint loaded with use_kernels=False.
 4. `get_kernel("<org>/ragged-dot-tpu", version=1)` is registered as a Transformers experts
    implementation; a tiny randomly initialised Qwen3-MoE generates with it (grouped matmul
    kernels in interpret mode) next to the stock "eager" experts.
@@ -161,6 +164,40 @@ def diffusers_matches_native(repo_id: str) -> bool:
   return same
 
 
+def rms_norm_generates_like_stock(repo_id: str, prompt) -> bool:
+  """The user flow of rms-norm-tpu on transformers 5.25: register its layers in the
+  process's kernel mapping (transformers_integration.use_rms_norm_tpu), load with
+  from_pretrained (kernelized on load; train() / eval() kernelize again), generate, compare
+  with the checkpoint loaded without kernels. Raises if any RMSNorm is not the kernel's."""
+  import tempfile
+
+  import torch
+  from transformers import AutoModelForCausalLM
+
+  import transformers_integration as ti
+
+  # The mapping ends with this step (a user's lasts): the other steps' models keep their norms.
+  with ti.kernel_mapping_scope(), tempfile.TemporaryDirectory() as path:
+    ti.tiny_model("qwen3", torch.float32).save_pretrained(path)
+    stock = AutoModelForCausalLM.from_pretrained(path, use_kernels=False)
+    ti.use_rms_norm_tpu(repo_id)
+    kernelized = AutoModelForCausalLM.from_pretrained(path)
+    count = ti.assert_rms_norms_kernelized(kernelized, repo_id)
+    kernelized.train()
+    kernelized.eval()
+    ti.assert_rms_norms_kernelized(kernelized, repo_id)
+  print(f"   {count} RMSNorm modules run the Pallas kernel after from_pretrained, and after "
+        "train() / eval() (interpret mode on CPU)")
+  start = time.perf_counter()
+  expected = stock.generate(prompt, max_new_tokens=8, do_sample=False)
+  got = kernelized.generate(prompt, max_new_tokens=8, do_sample=False)
+  same = torch.equal(got, expected)
+  print(f"   stock:      {expected[0, prompt.shape[1]:].tolist()}")
+  print(f"   kernelized: {got[0, prompt.shape[1]:].tolist()}  "
+        f"{'MATCH' if same else 'MISMATCH'} ({time.perf_counter() - start:.1f} s)")
+  return same
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dist", type=Path, default=ROOT / "dist", help="where to build")
@@ -177,26 +214,13 @@ def main(argv=None) -> int:
   import torch
   from kernels import get_kernel
 
-  import transformers_integration as ti
-
   rms = get_kernel(f"{org}/rms-norm-tpu", version=1)
   print(f"   loaded {rms.__name__} from {Path(rms.__file__).parent}")
 
-  print("== 3. kernelize a tiny Qwen3 (random weights) and generate greedily on CPU")
-  stock = ti.tiny_model("qwen3", torch.float32)
-  kernelized = ti.tiny_model("qwen3", torch.float32)
-  kernelized.load_state_dict(stock.state_dict())
-  ti.kernelize_rms_norm(kernelized, f"{org}/rms-norm-tpu")
-  print(f"   {len(ti.rms_norm_modules(kernelized))} RMSNorm modules now run the Pallas kernel "
-        "(interpret mode on CPU)")
+  print("== 3. rms-norm-tpu under every RMSNorm of a tiny Qwen3 (random weights) through "
+        "Transformers' kernelize on from_pretrained; generate greedily on CPU")
   prompt = torch.tensor([[5, 17, 42, 99, 7, 64]])
-  start = time.perf_counter()
-  expected = stock.generate(prompt, max_new_tokens=8, do_sample=False)
-  got = kernelized.generate(prompt, max_new_tokens=8, do_sample=False)
-  same = torch.equal(got, expected)
-  print(f"   stock:      {expected[0, prompt.shape[1]:].tolist()}")
-  print(f"   kernelized: {got[0, prompt.shape[1]:].tolist()}  "
-        f"{'MATCH' if same else 'MISMATCH'} ({time.perf_counter() - start:.1f} s)")
+  same = rms_norm_generates_like_stock(f"{org}/rms-norm-tpu", prompt)
 
   print(f"== 4. get_kernel('{org}/ragged-dot-tpu', version=1) as the experts of a tiny "
         "Qwen3-MoE (random weights)")
