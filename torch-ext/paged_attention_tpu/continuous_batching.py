@@ -107,7 +107,9 @@ _CACHE_DTYPES = (torch.float32, torch.bfloat16)
 # The smallest padded sizes of a step (tokens, sequences, pages per sequence): padding
 # rows cost next to nothing in the kernel (q_len 0, kv_len 0) and spare compiles.
 TOKEN_BUCKET_MIN, SEQ_BUCKET_MIN, PAGES_BUCKET_MIN = 16, 4, 4
-_WRAPPED = "_paged_attention_tpu"     # marks the engine functions wrapped here
+# The engine functions wrapped here carry this attribute, set to _THIS_COPY: a unique
+# object per loaded copy of this module (see _wrap_once).
+_WRAPPED, _THIS_COPY = "_paged_attention_tpu", object()
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -333,30 +335,37 @@ def continuous_batching_attention(module: torch.nn.Module, query: torch.Tensor,
   return out[:num_tokens].unsqueeze(0), None
 
 
+def _wrap_once(original, wrap):
+  """wrap(original), marked as this copy's, unless `original` already is this copy's
+  wrapper. A wrapper made by another loaded copy of this package (another version) is
+  replaced, wrapping the engine's own function again: the engine's hooks then write the
+  records that the attention registered last (this copy's) reads."""
+  owner = getattr(original, _WRAPPED, None)
+  if owner is _THIS_COPY:
+    return original
+  if owner is not None:
+    original = original.__wrapped__
+  wrapper = functools.wraps(original)(wrap(original))
+  setattr(wrapper, _WRAPPED, _THIS_COPY)
+  return wrapper
+
+
 def _one_full_attention_group(original):
   """The engine's group_layers_by_attn_type, except that a model on this attention gets a
   single full-attention group (the sliding-window note in the module docstring)."""
-  if getattr(original, _WRAPPED, False):
-    return original
 
   def group_layers_by_attn_type(config):
     if getattr(config, "_attn_implementation", None) == CONTINUOUS_BATCHING_ATTENTION_NAME:
       return {_FULL_ATTENTION: list(range(config.num_hidden_layers))}
     return original(config)
 
-  setattr(group_layers_by_attn_type, _WRAPPED, True)
-  group_layers_by_attn_type.__wrapped__ = original
-  group_layers_by_attn_type.__doc__ = original.__doc__
   return group_layers_by_attn_type
 
 
 def _kernel_pages_allocator(original):
   """PagedAttentionCache._create_allocator, except that for a model on this attention the
   (single, full-attention) group gets a KernelPagesAllocator."""
-  if getattr(original, _WRAPPED, False):
-    return original
 
-  @functools.wraps(original)
   def _create_allocator(cache, continuous_batching_config, attn_type, index, layer_indices,
                         num_key_value_heads):
     config = cache.config
@@ -380,7 +389,6 @@ def _kernel_pages_allocator(original):
         layer_indices=layer_indices,
         allow_block_sharing=continuous_batching_config.allow_block_sharing)
 
-  setattr(_create_allocator, _WRAPPED, True)
   return _create_allocator
 
 
@@ -396,10 +404,10 @@ def register_continuous_batching() -> str:
   from .serving import make_attention_mask
 
   for module in (cb_cache, cb_init):   # both look the function up by this global name
-    module.group_layers_by_attn_type = _one_full_attention_group(
-        module.group_layers_by_attn_type)
-  cb_cache.PagedAttentionCache._create_allocator = _kernel_pages_allocator(
-      cb_cache.PagedAttentionCache._create_allocator)
+    module.group_layers_by_attn_type = _wrap_once(module.group_layers_by_attn_type,
+                                                  _one_full_attention_group)
+  cb_cache.PagedAttentionCache._create_allocator = _wrap_once(
+      cb_cache.PagedAttentionCache._create_allocator, _kernel_pages_allocator)
   AttentionInterface.register(CONTINUOUS_BATCHING_ATTENTION_NAME, continuous_batching_attention)
   AttentionMaskInterface.register(CONTINUOUS_BATCHING_ATTENTION_NAME, make_attention_mask)
   return CONTINUOUS_BATCHING_ATTENTION_NAME
