@@ -104,6 +104,7 @@ def test_instances_built_otherwise_keep_their_forward(rms, repo_id):
   """An undecorated RMSNorm class kernelizes only the instances built as cls(hidden,
   eps=eps): Gemma 4's with_scale=False norm (no weight) and Qwen4-exp's grouped norm keep
   their own forward; their plain siblings run the layer."""
+  from kernels import replace_kernel_forward_from_hub
   from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
   from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRMSNorm
 
@@ -120,6 +121,19 @@ def test_instances_built_otherwise_keep_their_forward(rms, repo_id):
   for module in plain + other:
     want = type(module).forward(module, x)
     assert (module(x) - want).abs().max().item() <= 5e-6 * want.abs().max().item()
+  # Marked by hand without that condition, a weightless norm is refused, not run.
+  class MarkedGemma4RMSNorm(Gemma4RMSNorm):
+    pass
+
+  replace_kernel_forward_from_hub(MarkedGemma4RMSNorm, "MarkedGemma4RMSNorm")
+  weightless = MarkedGemma4RMSNorm(48, eps=1e-5, with_scale=False)
+  mapping = {"MarkedGemma4RMSNorm": {"cpu": ti.rms_norm_layer_repository(
+      repo_id("rms-norm-tpu"), "RMSNorm")}}
+  with use_kernel_mapping(mapping, inherit_mapping=False):
+    kernelize(torch.nn.ModuleList([weightless]), mode=Mode.INFERENCE, device="cpu",
+              use_fallback=False)
+  with pytest.raises(NotImplementedError, match="MarkedGemma4RMSNorm has no `weight`"):
+    weightless(x)
 
 
 class _OnePlusWeightNorm(torch.nn.Module):

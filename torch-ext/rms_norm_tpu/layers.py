@@ -54,8 +54,8 @@ def _epsilon(module: nn.Module, layer: str) -> float:
     if eps is not None:
       break
   if eps is None or not isinstance(getattr(module, "weight", None), torch.Tensor):
-    missing = ("a `weight`" if eps is not None
-               else "an epsilon attribute (`variance_epsilon` or `eps`)")
+    missing = ("`weight`" if eps is not None
+               else "epsilon attribute (`variance_epsilon` or `eps`)")
     raise NotImplementedError(
         f"rms-norm-tpu layers.{layer}: {type(module).__name__} has no {missing}, so it is "
         f"not the RMSNorm this layer replaces; do not map it to layers.{layer}")
