@@ -9,7 +9,10 @@ mode; the norm column's subset is tests/torch/test_coverage_norm.py):
   bigbird_pegasus  refused: its family declares neither SDPA nor FlashAttention (its
                    decoder self-attention is not marked causal: the kernel would see the
                    future; before this refusal the cell read "differs", logits 0.73 off)
-  falcon           not applicable: not through Transformers' AttentionInterface
+  falcon           refused: it asks for its causal mask materialized (since Transformers
+                   5.24 its attention goes through the AttentionInterface, and its model
+                   always passes allow_is_causal_skip=False so that ALiBi can be added to
+                   the mask; the cell read "not applicable" on 5.23)
   phimoe           matches: its sliding window comes from the mask (the layers pass none;
                    before, the cell read "differs", logits 0.9 off)
 
@@ -28,7 +31,7 @@ EXPECTED = {
     "qwen3_5": "matches",
     "doge": "refused: flash-attention-tpu: the model asks for its causal mask materialized",
     "bigbird_pegasus": "refused: attention_forward: BigBirdPegasusDecoderAttention's family",
-    "falcon": "not applicable (FalconForCausalLM's attention does not go through",
+    "falcon": "refused: flash-attention-tpu: the model asks for its causal mask materialized",
     "phimoe": "matches",
 }
 

@@ -196,25 +196,36 @@ def test_mla_value_head_dim_matches_eager(registered, op_calls):
   assert len(op_calls["forward"]) == len(op_calls["backward"]) == 2
 
 
-def test_packed_sequences_match_eager(registered, op_calls):
-  """position_ids restarting inside a row (packed sequences, no mask, no cache: training):
-  Transformers' packed-sequence detection becomes the kernel's segment ids."""
-  model = _model("llama", torch.float32)
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_packed_sequences_match_eager(registered, op_calls, family):
+  """position_ids restarting inside a row (packed sequences, padding-free: no mask, no
+  cache, as in training): Transformers' packed-sequence detection becomes the kernel's
+  segment ids, forward and backward. Gemma 2: the window (8) inside sequences of 12 and 20
+  and the soft-cap, on the packed composition's sliding base."""
+  model = _model(family, torch.float32)
   ids, _, direction = _inputs(False, seed=2)
   position_ids = torch.cat([torch.arange(12), torch.arange(20)])[None].expand(BATCH, -1)
   kwargs = dict(position_ids=position_ids, use_cache=False)   # a cache turns detection off
   want = _run(model, "eager", ids, None, direction, **kwargs)
   got = _run(model, IMPL, ids, None, direction, **kwargs)
   _compare_f32(got, want)
-  segment_ids = op_calls["forward"][0][4]
-  assert torch.equal(segment_ids, (torch.arange(SEQ) >= 12).to(torch.int32).expand(BATCH, -1))
+  layers = model.config.num_hidden_layers
+  assert len(op_calls["forward"]) == len(op_calls["backward"]) == layers
+  packed = (torch.arange(SEQ) >= 12).to(torch.int32).expand(BATCH, -1)
+  for layer, args in enumerate(op_calls["forward"]):
+    segment_ids, window = args[4], args[9]
+    assert torch.equal(segment_ids, packed)
+    sliding = getattr(model.config, "layer_types", ["full_attention"] * layers)[layer]
+    assert window == (ti.ATTENTION_WINDOW if sliding == "sliding_attention" else 0)
 
 
-@pytest.mark.parametrize("family", ["gemma2"])
+@pytest.mark.parametrize("family", ti.ATTENTION_FAMILIES)
 def test_generate_with_padding_matches_eager(registered, op_calls, family):
   """Greedy generation with a DynamicCache and a left-padded batch: prefill (14 tokens),
   then a decode step (the query is the last key, q_offset = Skv - Sq; the sliding layer's
-  cache keeps only the window's last keys). Same tokens, scores within the f32 tolerance."""
+  cache keeps only the window's last keys). The model writes the cache itself before the
+  attention call (Transformers 5.24+: cache.update, then the attention function with K/V
+  read back). Same tokens, scores within the f32 tolerance."""
   model = _model(family, torch.float32)
   ids, mask, _ = _inputs(True, seed=3)
   ids, mask = ids[:, :14], mask[:, :14]
@@ -282,7 +293,52 @@ def test_unsupported_uses_raise(registered):
 
   cache = StaticCache(config=model.config, max_cache_len=64)
   with pytest.raises(NotImplementedError, match="Static caches"):
-    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    model(input_ids=ids, cache=cache, use_cache=True)
+
+
+# Two packed sequences of 3 and 5 tokens in each of 2 rows: position_ids and the packed index.
+PACKED_POS = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)
+PACKED_SEQ = torch.tensor([[0] * 3 + [1] * 5] * 2)
+
+
+def _packed(base):
+  """`base` composed as Transformers' mask creation composes it for packed sequences
+  (masking_utils.create_causal_mask, 5.24+)."""
+  from transformers import masking_utils as mu
+
+  return mu.and_masks(mu.remap_positions_for_packed_sequence(base, PACKED_POS),
+                      mu.packed_sequence_mask_function(PACKED_SEQ))
+
+
+@pytest.mark.parametrize("kwarg, match", [
+    ("sinks", "per-token attention sinks"),            # Inkling 2
+    ("indices", "sparse attention"),                   # DeepSeek-V3.2-style indexers
+    ("block_indices", "block-sparse attention"),       # MiniMax-M3-VL
+    ("position_bias", "position bias"),
+    ("cu_seq_lens_q", "continuous batching")])         # what continuous batching passes
+def test_attention_arguments_the_kernel_would_ignore_raise(registered, kwarg, match):
+  """Tensors a model passes to the attention call that change its result, which the kernel
+  does not compute, raise instead of being dropped into **kwargs."""
+  model = _model("llama", torch.float32, layers=1)
+  model.set_attn_implementation(IMPL)
+  module = model.model.layers[0].self_attn
+  q, kv = torch.randn(2, 4, 6, 16), torch.randn(2, 2, 6, 16)
+  with pytest.raises(NotImplementedError, match=match):
+    registered.attention_forward(module, q, kv, kv, None, **{kwarg: torch.zeros(2, 4, 6, 1)})
+
+
+def test_mask_function_reads_the_packed_composition(registered):
+  """Causal, sliding and bidirectional bases under the packed composition come back as
+  the packed index (int32 segment ids) with the base's window and causality."""
+  from transformers import masking_utils as mu
+
+  for base, window, causal in ((mu.causal_mask_function, None, True),
+                               (mu.sliding_window_causal_mask_function(3), 3, True),
+                               (mu.bidirectional_mask_function, None, False)):
+    got = registered.make_attention_mask(2, 8, 8, mask_function=_packed(base))
+    segment_ids, got_window, got_causal, padding = registered.transformers_masks.decode_mask(got)
+    assert segment_ids.dtype == torch.int32 and torch.equal(segment_ids, PACKED_SEQ.int())
+    assert (got_window, got_causal, padding) == (window, causal, True)
 
 
 def test_mask_function_rejects_other_patterns(registered):
@@ -298,10 +354,16 @@ def test_mask_function_rejects_other_patterns(registered):
   # Chunked attention is computed (as chunk ids: test_attention_mask_safety.py), but not
   # over packed sequences.
   chunked = mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long))
-  packed_chunked = mu.packed_sequence_compatibility_function(
-      chunked, torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2), torch.tensor([[0] * 3 + [1] * 5] * 2))
   with pytest.raises(NotImplementedError, match="chunked attention over packed sequences"):
-    registered.make_attention_mask(2, 8, 8, mask_function=packed_chunked)
+    registered.make_attention_mask(2, 8, 8, mask_function=_packed(chunked))
+  # A blockwise overlay between the position remap and the packed index (masking_utils'
+  # block_sequence_ids) is not the plain packed pattern.
+  blockwise = mu.and_masks(
+      mu.or_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, PACKED_POS),
+                  mu.blockwise_overlay(torch.zeros(2, 8, dtype=torch.long))),
+      mu.packed_sequence_mask_function(PACKED_SEQ))
+  with pytest.raises(NotImplementedError, match="cannot compute"):
+    registered.make_attention_mask(2, 8, 8, mask_function=blockwise)
   # Accepted patterns: the padding mask of the keys comes back (sliced to kv_length).
   padding = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
   window = mu.sliding_window_causal_mask_function(3)

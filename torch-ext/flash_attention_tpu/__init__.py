@@ -366,10 +366,22 @@ def _check_family_takes_reduced_masks(op: str, module: torch.nn.Module) -> None:
         f"the mask. Use attn_implementation='eager' for this model")
 
 
+# Transformers' continuous batching (a paged cache) reaches the attention call only through
+# cu_seq_lens (the model has already written the cache and passes no cache argument; the
+# mask function is not called), so it is refused here with them.
+# Models that pass `sinks` (Inkling 2: per-token sinks; gpt-oss-style per-head sinks come as
+# s_aux), or sparse-attention selections (`indices`: DeepSeek-V3.2-style DSA; `block_indices`:
+# MiniMax-M3-VL) would otherwise have them ignored: dense attention, a silent wrong result.
 _UNSUPPORTED_KWARGS = {
     "position_bias": "a position bias (T5-style additive logits)",
-    "cu_seq_lens_q": "varlen cu_seq_lens (pass position_ids that restart per sequence instead)",
-    "cu_seq_lens_k": "varlen cu_seq_lens (pass position_ids that restart per sequence instead)",
+    "sinks": "per-token attention sinks (a `sinks` tensor; per-head sinks as s_aux are "
+             "supported)",
+    "indices": "sparse attention (the indexer's selected keys)",
+    "block_indices": "block-sparse attention (the indexer's selected key blocks)",
+    "cu_seq_lens_q": "varlen cu_seq_lens, as continuous batching passes (pass position_ids "
+                     "that restart per sequence instead)",
+    "cu_seq_lens_k": "varlen cu_seq_lens, as continuous batching passes (pass position_ids "
+                     "that restart per sequence instead)",
 }
 
 
@@ -402,10 +414,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
   for name, what in _UNSUPPORTED_KWARGS.items():
     if kwargs.get(name) is not None:
       raise NotImplementedError(f"{op}: {what} is not supported by this kernel")
-  cache = kwargs.get("cache")
-  if cache is not None:
-    raise NotImplementedError(f"{op}: paged caches (continuous batching) are not supported by "
-                              f"flash-attention-tpu")
   if kwargs.get("output_attentions", False):
     warnings.warn(f"{op}: the kernel returns no attention weights (output_attentions); use "
                   f"attn_implementation='eager' to get them", stacklevel=2)

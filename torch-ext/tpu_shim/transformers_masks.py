@@ -80,19 +80,40 @@ def _and_parts(fn) -> tuple | None:
   return tuple(_closure(fn).get("mask_functions", ()))
 
 
+def _packed_parts(fn):
+  """(base mask function, packed-sequence index [B, S]) of Transformers' packed-sequence
+  composition, else None. masking_utils (5.24+) builds it, when position_ids restart
+  inside a row, as
+
+      and_masks(remap_positions_for_packed_sequence(base, position_ids),
+                packed_sequence_mask_function(packed_sequence_mask))
+
+  The remap calls `base` on the tokens' positions instead of their indices. Inside one
+  packed sequence those positions are consecutive (a sequence ends wherever position_ids
+  do not step by 1: find_packed_sequence_indices), so a causal or sliding-window `base` on
+  positions is that `base` on indices there, and the packed index (as segment ids) removes
+  the rest. Any other composition (a blockwise overlay between the two, an overlay outside
+  them) is not this one and reads as another pattern."""
+  parts = _and_parts(fn)
+  if parts is None or [qualname(p) for p in parts] != [
+      "remap_positions_for_packed_sequence.<locals>.inner_mask",
+      "packed_sequence_mask_function.<locals>.inner_mask"]:
+    return None
+  base = _closure(parts[0]).get("mask_function")
+  packed = _closure(parts[1]).get("packed_sequence_mask")
+  return None if base is None or packed is None else (base, packed)
+
+
 def mask_pattern(mask_function) -> MaskPattern:
   """What a Transformers mask function describes (see MaskPattern); never raises."""
   from transformers import masking_utils
 
   causal = masking_utils.causal_mask_function
   packed, fn = None, mask_function
+  packed_parts = _packed_parts(fn)
+  if packed_parts is not None:
+    fn, packed = packed_parts
   parts = _and_parts(fn)
-  if parts is not None and len(parts) == 2 and [qualname(p) for p in parts] == [
-      "packed_sequence_mask_function.<locals>.inner_mask",
-      "remap_positions_for_packed_sequence.<locals>.inner_mask"]:
-    packed = _closure(parts[0])["packed_sequence_mask"]
-    fn = _closure(parts[1])["mask_function"]
-    parts = _and_parts(fn)
   name = qualname(fn)
   if fn is causal:
     return MaskPattern("causal", packed, name=name)
