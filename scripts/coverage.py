@@ -5,8 +5,10 @@ with random weights.
     python scripts/coverage.py [--family NAME ...] [--column experts|attention|norm ...]
                                [--dist DIR] [--all]
 
-prints one row per family: family | experts, each cell "matches", "refused: <reason>" or
-"not applicable", and a summary line with the Transformers version.
+prints one row per family: family | <column>..., each cell "matches", "refused: <reason>",
+"not applicable", or (experts) "eager broken: <what>; kernel matches <what it was judged
+against>", anything else naming what went wrong (crash, differs, not built); and a summary
+line with the Transformers version. Exit status 1 if any cell is of that last kind.
 
 Layout (so that more columns can be added): `families()` is the one family walk; a column
 is a function `<column>_cell(kernels, family) -> Cell` listed in COLUMNS. The experts
@@ -160,13 +162,16 @@ class BuildError(RuntimeError):
 
 def build_small(cls: type, check=lambda module: None):
   """An instance of `cls` from the first of its config classes that builds once shrunk,
-  (module, config). Extra __init__ arguments named like sizes get the tiny sizes. `check`
+  (module, config). Extra __init__ arguments named like sizes get the tiny sizes, a
+  `layer_idx` gets 0. `check`
   raises on an instance that is not usable (e.g. still large). Raises BuildError."""
   import torch
 
   errors = []
   params = list(inspect.signature(inspect.unwrap(cls.__init__)).parameters)[2:]
   extra = {p: _tiny_value(p) for p in params if _tiny_value(p) is not None}
+  if "layer_idx" in params:   # per-layer settings (Step3p7's swiglu_limits): the first layer's
+    extra["layer_idx"] = 0
   for config_class in config_classes(cls):
     try:
       config = shrink_config(config_class())
@@ -271,17 +276,20 @@ def experts_inputs(module, dtype, seed: int = 1, tokens: int = 12, placeholders:
   return hidden.to(dtype), index, weights.to(dtype), direction
 
 
-def run_experts(forward, module, hidden, index, weights, direction):
+def run_experts(forward, module, hidden, index, weights, direction, *, weights_grad=True):
   """forward(module, hidden, index, weights) and the gradients of <out, direction> w.r.t.
-  hidden, the routing weights and every parameter: {name: tensor} (out under "out")."""
+  hidden, the routing weights (unless weights_grad is False: constant weights, as a MoE
+  block that passes ones has) and every parameter: {name: tensor} (out under "out")."""
   import torch
 
   module.zero_grad(set_to_none=True)
   hidden = hidden.detach().clone().requires_grad_()
-  weights = weights.detach().clone().requires_grad_()
+  weights = weights.detach().clone().requires_grad_(weights_grad)
   out = forward(module, hidden, index, weights)
   (out.float() * direction).sum().backward()
-  result = {"out": out.detach(), "grad hidden": hidden.grad, "grad top_k_weights": weights.grad}
+  result = {"out": out.detach(), "grad hidden": hidden.grad}
+  if weights_grad:
+    result["grad top_k_weights"] = weights.grad
   result.update({f"grad {n}": p.grad for n, p in module.named_parameters()})
   return result
 
@@ -304,6 +312,126 @@ def relative_errors(got: dict, want: dict) -> dict[str, float]:
   return errors
 
 
+# ------------------------------------------------------------------ when eager is broken
+#
+# A family's own eager forward may fail on the walk's inputs: Transformers 5.25's
+# ErgoExpertProjections (gate-less, transposed, relu²) takes one route per row of unit
+# weight, which is how its MoE block (ErgoExperts) calls it, and raises IndexError on 2
+# routes per row (it also ignores the routing weights). Such a class is judged without its
+# eager forward on those inputs, and the cell says so: the kernel against the float64
+# reference of tests/reference_moe.py (written from the definition, no kernel code) on the
+# same inputs, forward; and against eager on one route per row of unit weight, forward and
+# backward, where eager runs there.
+
+
+def _reference_activation(act_fn) -> str | None:
+  """tests/reference_moe.py's name for an experts module's act_fn (by exact class, or the
+  function itself), or None when it has none."""
+  import torch
+  from transformers import activations as acts
+
+  names = {acts.SiLUActivation: "silu", torch.nn.SiLU: "silu", torch.nn.ReLU: "relu",
+           acts.ReLUSquaredActivation: "relu2", acts.GELUActivation: "gelu",
+           acts.GELUTanh: "gelu_tanh", acts.LinearActivation: "identity"}
+  functions = {torch.nn.functional.silu: "silu", torch.nn.functional.relu: "relu",
+               torch.relu: "relu", torch.nn.functional.gelu: "gelu"}
+  if isinstance(act_fn, torch.nn.Module):
+    return names.get(type(act_fn))
+  return functions.get(act_fn)
+
+
+def reference_experts(module, hidden, index, weights):
+  """The float64 reference (tests/reference_moe.py moe_experts) of an experts module with
+  the default gate (act(gate) * up) or none, on hidden [T, H], index [T, K], weights
+  [T, K]: a float64 [T, H] tensor. Raises NotImplementedError for what it does not describe
+  (a custom gate, a post-expert norm, an activation it does not know)."""
+  import torch
+
+  sys.path.insert(0, str(ROOT / "tests"))
+  import reference_moe
+
+  act = _reference_activation(getattr(module, "act_fn", None))
+  if act is None:
+    raise NotImplementedError(f"its act_fn {getattr(module, 'act_fn', None)!r}")
+  if module.has_gate and type(module)._apply_gate.__name__ != "_default_apply_gate":
+    raise NotImplementedError("its own _apply_gate")
+  if module.has_post_expert_norm:
+    raise NotImplementedError("its post-expert norm")
+  first = "gate_up_proj" if module.has_gate else "up_proj"
+  bias = (lambda name: getattr(module, f"{name}_bias")) if module.has_bias else (lambda _: None)
+  out = reference_moe.moe_experts(
+      hidden, index, weights, getattr(module, first), module.down_proj,
+      gate_up_bias=bias(first), down_bias=bias("down_proj"), num_experts=module.num_experts,
+      has_gate=module.has_gate, is_transposed=module.is_transposed,
+      is_concatenated=module.is_concatenated, activation_name=act)
+  return torch.from_numpy(out)
+
+
+def one_route_inputs(module, dtype, seed: int = 3, tokens: int = 12):
+  """experts_inputs with one route per row of weight 1: (hidden, index [T, 1], ones, direction)."""
+  import torch
+
+  hidden, _, _, direction = experts_inputs(module, dtype, seed=seed, tokens=tokens)
+  gen = torch.Generator().manual_seed(seed)
+  index = torch.randint(0, module.num_experts, (tokens, 1), generator=gen)
+  return hidden, index, torch.ones(tokens, 1, dtype=dtype), direction
+
+
+@dataclasses.dataclass
+class EagerBrokenVerdict:
+  """How the kernel was judged without a class's broken eager forward. ok: every judgement
+  made passed and at least one was made; text: what was judged (or what differs)."""
+
+  ok: bool
+  text: str
+
+
+def judge_without_eager(kernel, module, inputs, eager_error: Exception,
+                        bounds: dict | None = None) -> EagerBrokenVerdict:
+  """The kernel on an experts module whose eager forward raised `eager_error` on `inputs`
+  (experts_inputs): against reference_experts on `inputs` (output) and against eager on
+  one_route_inputs (output and gradients), each within `bounds` ({"out": .., "grad": ..},
+  default F32_BOUND), max |got - want| / max |want| per tensor."""
+  import torch
+
+  bounds = bounds or {"out": F32_BOUND, "grad": F32_BOUND}
+  hidden, index, weights, _ = inputs
+  judged, problems = [], []
+  try:
+    want = reference_experts(module, hidden, index, weights)
+  except NotImplementedError as e:
+    judged_reference = f"no float64 reference for {e}"
+  else:
+    with torch.no_grad():
+      got = kernel.experts_forward(module, hidden, index, weights)
+    error = relative_errors({"out": got.double()}, {"out": want})["out"]
+    if error > bounds["out"]:
+      problems.append(f"output differs from the float64 reference by {error:.1e}")
+    judged_reference = (f"the float64 reference (tests/reference_moe.py) on {index.shape[1]} "
+                        f"routes per row (forward)")
+    judged.append(judged_reference)
+  one = one_route_inputs(module, hidden.dtype)
+  try:
+    want = run_experts(eager_forward, module, *one, weights_grad=False)
+  except Exception as e:  # noqa: BLE001  (eager broken there too: said in the verdict)
+    judged_one = f"eager fails on one route per row too ({type(e).__name__})"
+  else:
+    got = run_experts(kernel.experts_forward, module, *one, weights_grad=False)
+    bad = {n: f"{err:.1e}" for n, err in relative_errors(got, want).items()
+           if err > (bounds["out"] if n == "out" else bounds["grad"])}
+    if bad:
+      problems.append(f"on one route per row of unit weight, differs from eager: {bad}")
+    judged_one = "eager on one route per row of unit weight (forward and backward)"
+    judged.append(judged_one)
+  name = type(module).__name__
+  broken = f"eager broken: {name}: {type(eager_error).__name__}: {str(eager_error)[:160]}"
+  if problems:
+    return EagerBrokenVerdict(False, f"differs: {name} ({broken}): " + "; ".join(problems))
+  if not judged:
+    return EagerBrokenVerdict(False, f"not judged: {broken}; {judged_reference}; {judged_one}")
+  return EagerBrokenVerdict(True, f"{broken}; kernel matches " + " and ".join(judged))
+
+
 def experts_cell(kernels, fam: Family) -> str:
   """"matches" when every experts class of the family equals eager in float32 (forward and
   backward within F32_BOUND), else "refused: <reason>"; "not applicable" without one."""
@@ -317,21 +445,35 @@ def experts_cell(kernels, fam: Family) -> str:
   if not classes:
     return "not applicable"
   kernel = kernels["ragged-dot-tpu"]
-  problems = []
+  problems, eager_broken = [], []
   for cls in classes:
     try:
       module = build_experts(cls, torch.float32)
       inputs = experts_inputs(module, torch.float32)
+    except Exception as e:  # noqa: BLE001
+      problems.append(f"not built: {cls.__name__}: {type(e).__name__}: {e}")
+      continue
+    try:
       want = run_experts(eager_forward, module, *inputs)
+    except Exception as e:  # noqa: BLE001  (the family's own code: judged without it)
+      verdict = judge_without_eager(kernel, module, inputs, e)
+      (eager_broken if verdict.ok else problems).append(verdict.text)
+      continue
+    try:
       got = run_experts(kernel.experts_forward, module, *inputs)
-    except Exception as e:  # noqa: BLE001  (a refusal or crash is what this cell reports)
-      problems.append(f"{cls.__name__}: {type(e).__name__}: {e}")
+    except NotImplementedError as e:
+      problems.append(f"refused: {cls.__name__}: {e}")
+      continue
+    except Exception as e:  # noqa: BLE001  (a crash is what this cell reports)
+      problems.append(f"crash: {cls.__name__}: {type(e).__name__}: {e}")
       continue
     worst = max(relative_errors(got, want).items(), key=lambda kv: kv[1])
     if worst[1] > F32_BOUND:
-      problems.append(f"{cls.__name__}: {worst[0]} differs by {worst[1]:.1e}")
+      problems.append(f"differs: {cls.__name__}: {worst[0]} off by {worst[1]:.1e}")
   if problems:
-    return "refused: " + "; ".join(problems)
+    return "; ".join(problems + eager_broken)
+  if eager_broken:
+    return "; ".join(eager_broken)
   return "matches" if len(classes) == 1 else f"matches ({len(classes)} classes)"
 
 
@@ -373,16 +515,33 @@ def table(kernels, names=None, columns=None, on_row=None) -> list[tuple[str, dic
   return rows
 
 
+# What a cell says, by its first words; "other" (crash, differs, not built, not judged) is
+# what the walk must not show.
+CELL_KINDS = ("matches", "refused", "eager broken", "not applicable")
+
+
+def cell_kind(cell: str) -> str:
+  """"matches", "refused", "eager broken" (judged without the family's eager code, and
+  matching there), "not applicable" or "other"."""
+  for kind in CELL_KINDS:
+    if cell.startswith(kind):
+      return kind
+  return "other"
+
+
 def summary(rows) -> str:
   import transformers
 
   parts = []
   for column in rows[0][1] if rows else COLUMNS:
-    cells = [cells[column] for _, cells in rows]
-    applicable = [c for c in cells if c != "not applicable"]
-    matching = sum(c.startswith("matches") for c in applicable)
-    parts.append(f"{column}: {matching}/{len(applicable)} families match")
-  return f"Transformers {transformers.__version__}: " + ", ".join(parts)
+    kinds = [cell_kind(cells[column]) for _, cells in rows]
+    applicable = [k for k in kinds if k != "not applicable"]
+    part = f"{column}: {kinds.count('matches')}/{len(applicable)} families match"
+    for kind in ("eager broken", "refused", "other"):
+      if kinds.count(kind):
+        part += f", {kinds.count(kind)} {'crash / differ / not built' if kind == 'other' else kind}"
+    parts.append(part)
+  return f"Transformers {transformers.__version__}: " + "; ".join(parts)
 
 
 def main(argv=None) -> int:
@@ -405,7 +564,7 @@ def main(argv=None) -> int:
 
   rows = table(kernels, set(args.family or ()), columns, print_row)
   print(summary(rows))
-  return 0 if all(not c.startswith("refused") for _, cells in rows for c in cells.values()) else 1
+  return 0 if all(cell_kind(c) != "other" for _, cells in rows for c in cells.values()) else 1
 
 
 if __name__ == "__main__":
