@@ -28,7 +28,7 @@ Release additions (issue 7), all deterministic for a given commit so dist/ stays
 reproducible:
 
 * each variant's metadata.json carries `digest` (kernels' format: sha256 of every file of
-  the variant except metadata.json, exactly what `kernels.verify` re-hashes), `source`
+  the variant except metadata.json, exactly what kernels' loader re-hashes on load), `source`
   (the source repository, build.toml `[collection] source-repository`) and
   `provenance.kernel` (source commit, and whether the build inputs had uncommitted
   changes: kernels' own DirtyValidator then warns on load);
@@ -108,10 +108,16 @@ branch = "v{kernel["version"]}"
 
 
 def _metadata(hub_name: str, kernel: dict, namespace: str, backend: str) -> dict:
-  """The fields kernels 0.17 reads; `digest`, `source`, `provenance` are added by
-  `_add_release_metadata` once the variant's files are in place."""
+  """The fields kernels' metadata parser requires; `digest`, `source`, `provenance` are
+  added by `_add_release_metadata` once the variant's files are in place.
+
+  `id` is the module name kernels imports the variant as, and the key it deduplicates
+  kernels by: a second load of an id already imported returns the first module (same
+  digest) or raises RuntimeError (another digest). The namespace carries the package's
+  content hash, so a build from other sources never shares an id with this one.
+  """
   return {
-      "id": f"{namespace}_{backend}",   # the module name kernels imports the variant as
+      "id": f"{namespace}_{backend}",
       "name": hub_name,
       "version": kernel["version"],
       "license": kernel["license"],
@@ -256,8 +262,9 @@ def release_notes(hub_name: str, manifest: dict, namespace: str, commit: str | N
       "Pin with `kernels lock` (`[tool.kernels.dependencies]` in pyproject.toml: "
       f"`\"{repo_id}\" = {version}`), load with `get_locked_kernel(\"{repo_id}\", "
       "lockfile=...)`. Each variant's `metadata.json` lists the sha256 of every file of the "
-      "variant (`digest`) with the source repository and commit; to re-hash a downloaded "
-      "variant with kernels' own hasher:",
+      "variant (`digest`) with the source repository and commit; kernels checks them the "
+      "first time it loads a downloaded variant. To re-hash it again later with kernels' "
+      "own hasher:",
       "",
       "```python",
       "from kernels._rust import Digest, Metadata",

@@ -7,21 +7,23 @@ digest in its metadata.json, with kernels' own hasher.
                                      # the variant get_locked_kernel would load, from the HF cache
     python scripts/verify.py --version 1 tpu-kernels/rms-norm-tpu   # what get_kernel(version=1) would load
 
-Why this script exists: kernels 0.17 has the digest check, but only behind a sigstore
-signature. `kernels.verify.verify_variant` (and `kernels verify-signature`) first requires
-`metadata.json.sigstore` signed by a trusted GitHub workflow and returns
-`SignatureBundleMissing` otherwise, before looking at any file; `get_kernel` /
-`get_locked_kernel` never re-hash anything, and a `kernels.lock` pins only the Hub commit
-(in the cache that is a directory name, not a content hash). Signing needs GitHub
-Actions' OIDC identity, which this repository does not have. So this runs the second half
-of `verify_variant` on its own: `Metadata` parses metadata.json, `Digest.hash_variant`
-re-hashes the variant (every file but metadata.json / its signature, `__pycache__` and
-*.pyc excluded), `Digest.validate` lists every missing, unknown or changed file. The
-variant is located by kernels' own resolvers (`LockedHubCacheResolver` for a lock file,
-`HubCacheResolver` for a version), so it is the folder the loader would import.
+Why this script exists beside kernels' own check: kernels 0.19.1 checks a variant's files
+against its digest when it loads it (`DigestValidator`), but a variant from the Hub cache
+only the first time: it then stores a receipt (`<HF_HUB_CACHE>/.verified-kernels/`) and
+later loads of that commit and variant skip the hashing, so a cached file changed after
+the first load is imported unnoticed (tests/release/test_release_loading.py shows it). A
+variant whose metadata has no digest only logs a warning. This script re-hashes every
+time, before anything is imported, and lists every missing, unknown or changed file:
+`Metadata` parses metadata.json, `Digest.hash_variant` re-hashes the variant (every file
+but metadata.json / its signature, `__pycache__` and *.pyc excluded), `Digest.validate`
+compares. The variant is located by kernels' public `install_kernel(...,
+local_files_only=True)`, the resolver `get_kernel` / `get_locked_kernel` use offline, so
+it is the folder the loader would import. `scripts/upload.py` runs the same check on
+dist/ before publishing.
 
 What it does not give: protection against someone who rewrites metadata.json too. Only
-a signature can, or a digest obtained out of band (the build report of the release).
+a signature can (sigstore, which needs a GitHub Actions OIDC identity this repository does
+not have), or a digest obtained out of band (the build report of the release).
 """
 
 from __future__ import annotations
@@ -74,26 +76,30 @@ def verify_path(path: Path) -> list[str]:
   return [problem for v in variants for problem in verify_variant(v)]
 
 
+def locked_commit(repo_id: str, lockfile: Path) -> str:
+  """The commit `kernels.lock` pins for `repo_id` (a full 40/64-hex id, as kernels writes it)."""
+  from kernels._rust import KernelLocks
+
+  locks = KernelLocks.from_json(Path(lockfile).read_text())
+  for dependency, lock in locks.items():
+    if dependency.repo_id == repo_id:
+      return str(lock.commit)
+  raise ValueError(f"{repo_id} is not locked in {lockfile}")
+
+
+def cached_variant(repo_id: str, *, version: int | None = None, revision: str | None = None,
+                   backend: str | None = None) -> Path:
+  """The variant folder `get_kernel(repo_id, version=...)` (or, with the locked commit as
+  revision, `get_locked_kernel`) loads from the Hugging Face cache with HF_HUB_OFFLINE=1."""
+  from kernels import install_kernel
+
+  return Path(install_kernel(repo_id, version=version, revision=revision, backend=backend,
+                             local_files_only=True, trust_remote_code=[repo_id]))
+
+
 def locked_variant(repo_id: str, lockfile: Path, backend: str | None = None) -> Path:
   """The variant folder `get_locked_kernel(repo_id, lockfile=lockfile)` loads offline."""
-  from kernels.hf_hub import _get_hf_api
-  from kernels.locking import get_locked_kernel_revision
-  from kernels.resolver import LockedHubCacheResolver
-
-  locks, dependency = get_locked_kernel_revision(repo_id, Path(lockfile))
-  resolver = LockedHubCacheResolver(kernel_locks=locks, trust_remote_code=True)
-  return resolver.resolve(api=_get_hf_api(), backend=backend, kernel=dependency).variant_path
-
-
-def cached_variant(repo_id: str, version: int, backend: str | None = None) -> Path:
-  """The variant folder `get_kernel(repo_id, version=version)` loads with HF_HUB_OFFLINE=1."""
-  from kernels._rust import KernelDependency, KernelVersion
-  from kernels.hf_hub import _get_hf_api
-  from kernels.resolver import HubCacheResolver
-
-  dependency = KernelDependency(repo_id=repo_id, version=KernelVersion.Version(version))
-  resolver = HubCacheResolver(trust_remote_code=True)
-  return resolver.resolve(api=_get_hf_api(), backend=backend, kernel=dependency).variant_path
+  return cached_variant(repo_id, revision=locked_commit(repo_id, lockfile), backend=backend)
 
 
 class TamperedKernelError(RuntimeError):
@@ -101,7 +107,8 @@ class TamperedKernelError(RuntimeError):
 
 
 def get_verified_locked_kernel(repo_id: str, lockfile: Path, **kwargs):
-  """`kernels.get_locked_kernel`, after checking the files it is about to import."""
+  """`kernels.get_locked_kernel`, after re-hashing the files it is about to import (the
+  loader itself re-hashes a cached variant only on its first load)."""
   from kernels import get_locked_kernel
 
   problems = verify_variant(locked_variant(repo_id, lockfile))
@@ -124,7 +131,7 @@ def main(argv=None) -> int:
       path = locked_variant(target, args.lockfile, args.backend)
       problems = verify_variant(path)
     elif args.version is not None:
-      path = cached_variant(target, args.version, args.backend)
+      path = cached_variant(target, version=args.version, backend=args.backend)
       problems = verify_variant(path)
     else:
       path = Path(target)

@@ -1,53 +1,35 @@
 """Loading a released kernel offline through the real `kernels` code paths, and tampering.
 
 The Hub is replaced by a Hugging Face cache laid out as `snapshot_download` leaves it for
-a kernel repo: `kernels--<org>--<name>/blobs/<git blob sha1>`,
-`snapshots/<commit>/<path>` as relative symlinks to the blobs, and `refs/main`,
-`refs/v1` holding the commit. kernels then resolves `version=1` through `refs/v1`
-(`_get_available_versions_from_cache`), `get_locked_kernel` through the commit in the
-lock file, and `LOCAL_KERNELS` through a path; each test checks which folder was imported
-and runs the op on a CPU tensor (torch-cpu variant, Pallas interpret mode).
+a kernel repo (kernel_repos.hub_cache_snapshot: `kernels--<org>--<name>/blobs/...`,
+`snapshots/<commit>/...`, `refs/main` and `refs/v1` holding the commit). kernels 0.19.1
+then resolves `version=1` through `refs/v1`, `get_locked_kernel` through the full commit
+id in the lock file, and `LOCAL_KERNELS` through a path; each test checks which folder was
+imported and runs the op on a CPU tensor (torch-cpu variant, Pallas interpret mode).
 """
 
-import hashlib
 import json
 import os
 import shutil
 import sys
 import textwrap
 
+from kernel_repos import hub_cache_snapshot
 from release_helpers import ROOT, build, run
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import release  # noqa: E402
 
 REPO_ID = "tpu-kernels/rms-norm-tpu"
 
 
 def _hf_cache(dist, cache):
   """`cache`/kernels--tpu-kernels--rms-norm-tpu as a download of branch v1 leaves it."""
-  files = release.tree_files(dist / "rms-norm-tpu")
-  listing = "".join(f"{rel} {release.git_blob_sha1(p.read_bytes())}\n" for rel, p in sorted(files.items()))
-  commit = hashlib.sha1(listing.encode()).hexdigest()         # stands in for the Hub's commit id
-  repo = cache / "kernels--tpu-kernels--rms-norm-tpu"
-  (repo / "blobs").mkdir(parents=True)
-  (repo / "refs").mkdir()
-  for rel, path in files.items():
-    data = path.read_bytes()
-    blob = repo / "blobs" / release.git_blob_sha1(data)
-    blob.write_bytes(data)
-    link = repo / "snapshots" / commit / rel
-    link.parent.mkdir(parents=True, exist_ok=True)
-    link.symlink_to(os.path.relpath(blob, link.parent))
-  for ref in ("main", "v1"):
-    (repo / "refs" / ref).write_text(commit)
-  return repo, commit
+  return hub_cache_snapshot(dist / "rms-norm-tpu", cache, REPO_ID)
 
 
 def _lockfile(path, commit):
   from kernels._rust import KernelDependency, KernelLock, KernelLocks, KernelVersion
 
-  # exactly what `kernels lock` writes (kernels.cli.lock: KernelLocks(...).to_json())
+  # exactly what `kernels lock` writes (kernels' lock_kernel_tree: KernelLock(commit=<full
+  # commit id>), then KernelLocks(...).to_json()); kernels 0.19 refuses an abbreviated id.
   locks = KernelLocks({KernelDependency(repo_id=REPO_ID, version=KernelVersion.Version(1)):
                        KernelLock(commit=commit)})
   path.write_text(locks.to_json())
@@ -69,11 +51,19 @@ LOAD = textwrap.dedent("""
   out = {}
   mode = sys.argv[1]
   if mode == "version":
-    out["version"] = check(kernels.get_kernel("tpu-kernels/rms-norm-tpu", version=1))
+    first = kernels.get_kernel("tpu-kernels/rms-norm-tpu", version=1)
+    out["version"] = check(first)
     os.environ["LOCAL_KERNELS"] = "tpu-kernels/rms-norm-tpu=" + sys.argv[2]
-    out["local"] = check(kernels.get_kernel("tpu-kernels/rms-norm-tpu", version=1))
-  else:
-    out["locked"] = check(kernels.get_locked_kernel("tpu-kernels/rms-norm-tpu", lockfile=Path(sys.argv[2])))
+    second = kernels.get_kernel("tpu-kernels/rms-norm-tpu", version=1)
+    out["local"] = check(second)
+    out["local_is_first"] = second is first
+  else:   # "locked" (and run the op), "locked-import" (import only)
+    try:
+      module = kernels.get_locked_kernel("tpu-kernels/rms-norm-tpu", lockfile=Path(sys.argv[2]))
+    except RuntimeError as e:
+      out["refused"] = str(e)
+    else:
+      out["locked"] = check(module) if mode == "locked" else {"file": module.__file__}
   print("RESULT " + json.dumps(out))
 """)
 
@@ -93,6 +83,9 @@ def _load(tmp_path, cache, *args):
 
 
 def test_get_kernel_version_1_from_the_cache_and_local_kernels(repo, tmp_path):
+  """version=1 resolves through refs/v1 to the cached snapshot. The same build named again
+  through LOCAL_KERNELS has the same id (metadata.json `id`) and digest, so kernels 0.19.1
+  returns the module it imported first instead of importing the local folder."""
   dist = build(repo, "rms-norm-tpu")
   cache = tmp_path / "hub"
   cached, commit = _hf_cache(dist, cache)
@@ -101,9 +94,9 @@ def test_get_kernel_version_1_from_the_cache_and_local_kernels(repo, tmp_path):
   snapshot_variant = cached / "snapshots" / commit / "build" / "torch-cpu"
   assert out["version"]["file"] == str(snapshot_variant / "__init__.py")     # refs/v1 -> commit
   assert out["version"]["name"] == f"{namespace}_cpu"
-  assert out["local"]["file"] == str(dist / "rms-norm-tpu" / "build" / "torch-cpu" / "__init__.py")
-  for how in ("version", "local"):
-    assert out[how]["err"] < 1e-5, out
+  assert out["local_is_first"] and out["local"]["file"] == out["version"]["file"]
+  assert out["local"]["err"] < 1e-5
+  assert out["version"]["err"] < 1e-5, out
 
 
 def test_get_locked_kernel_from_the_cache(repo, tmp_path):
@@ -127,19 +120,32 @@ def _verify(cache, *args):
 
 
 def test_tampering_is_detected(repo, tmp_path):
+  """kernels 0.19.1 re-hashes a cached variant on its first load only, then keeps a
+  receipt: a file changed after that is imported. verify.py re-hashes every time."""
   dist = build(repo, "rms-norm-tpu")
   cache = tmp_path / "hub"
   cached, commit = _hf_cache(dist, cache)
+  untouched = tmp_path / "untouched"                     # the same download, never loaded
+  shutil.copytree(cached, untouched / cached.name, symlinks=True)
   lockfile = _lockfile(tmp_path / "kernels.lock", commit)
   ok = _verify(cache, "--lockfile", lockfile, REPO_ID)
   assert ok.returncode == 0 and "every file matches its digest" in ok.stdout, ok.stdout + ok.stderr
   assert _verify(cache, "--version", "1", REPO_ID).returncode == 0
+  assert "locked" in _load(tmp_path, cache, "locked", lockfile)      # the first load: hashed
+
+  for hub in (cache, untouched):
+    variant = hub / cached.name / "snapshots" / commit / "build" / "torch-cpu"
+    blob = (variant / "layers.py").resolve()
+    blob.write_bytes(blob.read_bytes() + b"\nimport os  # injected\n")    # the cached file changes
+    (variant / "_shim" / "extra.py").write_text("x = 1\n")               # a file appears
+    (variant / "tpu_kernels" / "vmem.py").unlink()                       # a file disappears
+  # The loader: on a first load it refuses; after a clean first load it imports the changes.
+  refused = _load(tmp_path, untouched, "locked-import", lockfile)
+  assert "do not match the digest" in refused["refused"] and "layers.py" in refused["refused"]
+  loaded = _load(tmp_path, cache, "locked-import", lockfile)
+  assert loaded["locked"]["file"] == str(cached / "snapshots" / commit / "build" / "torch-cpu" / "__init__.py")
 
   variant = cached / "snapshots" / commit / "build" / "torch-cpu"
-  blob = (variant / "layers.py").resolve()
-  blob.write_bytes(blob.read_bytes() + b"\nimport os  # injected\n")      # the cached file changes
-  (variant / "_shim" / "extra.py").write_text("x = 1\n")                 # a file appears
-  (variant / "tpu_kernels" / "vmem.py").unlink()                         # a file disappears
   for args in (["--lockfile", lockfile, REPO_ID], ["--version", "1", REPO_ID], [variant]):
     bad = _verify(cache, *args)
     assert bad.returncode == 1, bad.stdout
