@@ -1,6 +1,6 @@
 """Compiles programs exported by TorchTPU's `jax_op` ahead of time with libtpu, as TorchTPU
-would hand them to the TPU runtime. Runs on the stack the wheel wants (.venv-jax012: jax
-0.12.0.1, libtpu 0.0.50.1); no TPU needed.
+would hand them to the TPU runtime. Runs on .venv-jax012 (jax 0.12.1 and libtpu 0.0.52, the
+newest libtpu torch-tpu 0.2.0 accepts); no TPU needed.
 
     python scripts/compile_exported.py PROGRAM.<chip>.jaxexport ...
 

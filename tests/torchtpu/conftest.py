@@ -1,5 +1,6 @@
-"""The real TorchTPU 0.2.0 wheel (torch-tpu, in .venv-torchtpu), imported never autoloaded,
-network cut by the runner. Run only there: `scripts/test.sh` leg 3.
+"""The real TorchTPU 0.2.0 wheel (torch-tpu, in .venv-torchtpu), imported (never autoloaded:
+its device initialisation is called below) with the network cut by the runner. Run only
+there: `scripts/test.sh` leg 3.
 
 The one boundary stubbed is the one that needs a device: the pybind functions
 `torch_tpu._internal.pallas.pallas.tpu_torch_pallas.register_custom_kernel` (stores the
@@ -23,33 +24,29 @@ except ModuleNotFoundError as e:  # not a skip: this suite exists to run the rea
   raise RuntimeError("tests/torchtpu needs the real torch-tpu wheel: run it with "
                      ".venv-torchtpu/bin/python (scripts/test.sh does)") from e
 
+from torch_tpu import _loader  # noqa: E402
 from torch_tpu._internal.pallas import pallas as torch_tpu_pallas  # noqa: E402
 
-# What TorchTPU's device initialisation does first on a TPU host (_loader._init_device):
-# name PrivateUse1 "tpu", so that "tpu" is a device string. Nothing touches the runtime.
-if torch._C._get_privateuse1_backend_name() != "tpu":
-  torch.utils.rename_privateuse1_backend("tpu")
+# A TPU host, as far as torch is concerned: on one, torch_tpu's autoload entry point
+# (`_loader.load`) finds the chip on the PCI bus and runs `_loader._init_device("tpu")`,
+# which names PrivateUse1 "tpu" (so "tpu" is a device string and
+# `torch.accelerator.current_accelerator()` is "tpu"), registers the device module and
+# patches torch.compile; the TPU runtime itself starts only when something asks for it.
+# There is no PCI device here for `load` to find, so this process calls what it would
+# call; test_loader_on_a_tpu_host.py runs `load` itself, in a subprocess that sees a
+# faked chip. kernels 0.19.1 therefore serves this process `build/torch-tpu`.
+if not _loader._DEVICE_INITIALIZED:
+  _loader._init_device("tpu")
 
-from fake_tpu import Boundary, current_boundaries as _current  # noqa: E402
+from fake_tpu import Boundary, current_boundaries as _current, device_call_stubs  # noqa: E402
 
 
 @pytest.fixture
 def boundary(monkeypatch):
   """Records jax_op's exports; stubs the native calls that need a device (see module doc)."""
   record = Boundary()
-  native = torch_tpu_pallas.tpu_torch_pallas
-
-  def register_custom_kernel(name, kernel_key, *, serialized_mlir_module):
-    record.registered.append((name, kernel_key, serialized_mlir_module))
-
-  def call_custom_kernel(name, kernel_key, *, inputs, output_shapes, donate_argnums=(),
-                         device_assignment=()):
-    record.calls.append(dict(name=name, inputs=list(inputs), output_shapes=list(output_shapes),
-                             donate_argnums=list(donate_argnums)))
-    raise RuntimeError("call_custom_kernel needs a TPU (stubbed in tests/torchtpu)")
-
-  monkeypatch.setattr(native, "register_custom_kernel", register_custom_kernel)
-  monkeypatch.setattr(native, "call_custom_kernel", call_custom_kernel)
+  for name, stub in device_call_stubs(record).items():
+    monkeypatch.setattr(torch_tpu_pallas.tpu_torch_pallas, name, stub)
   _current.append(record)
   yield record
   _current.pop()

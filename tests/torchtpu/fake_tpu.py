@@ -124,6 +124,24 @@ class Boundary:
 current_boundaries: list[Boundary] = []   # the running test's, if it asked for one
 
 
+def device_call_stubs(record: Boundary) -> dict:
+  """Stand-ins for the two pybind functions of `torch_tpu_pallas.tpu_torch_pallas` that
+  need a device, by name: `register_custom_kernel` (stores the serialized program under a
+  key; recorded) and `call_custom_kernel` (runs it on the chip: recorded, then raises, as
+  there is no chip to run it on)."""
+  def register_custom_kernel(name, kernel_key, *, serialized_mlir_module):
+    record.registered.append((name, kernel_key, serialized_mlir_module))
+
+  def call_custom_kernel(name, kernel_key, *, inputs, output_shapes, donate_argnums=(),
+                         device_assignment=()):
+    record.calls.append(dict(name=name, inputs=list(inputs), output_shapes=list(output_shapes),
+                             donate_argnums=list(donate_argnums)))
+    raise RuntimeError("call_custom_kernel needs a TPU (stubbed in tests/torchtpu)")
+
+  return {"register_custom_kernel": register_custom_kernel,
+          "call_custom_kernel": call_custom_kernel}
+
+
 def _recording_init(init):
   """JaxCallable.__init__, then its export function wrapped to report to the running test
   (a jax_op is built once per process: the wrapper outlives the test that built it)."""

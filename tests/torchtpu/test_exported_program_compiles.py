@@ -1,8 +1,8 @@
 """The artifact TorchTPU would run: for each kernel at a headline shape, the program the
 real `jax_op` exports (captured above the native boundary, `jax.export.Exported`, the same
 bytes its real kernel registers with `register_custom_kernel`) is compiled ahead of time
-by libtpu for v5e and v6e, on the stack the wheel wants (.venv-jax012: jax 0.12.0.1,
-libtpu 0.0.50.1; scripts/compile_exported.py).
+by libtpu for v5e and v6e, with the newest libtpu torch-tpu 0.2.0 and jax accept
+(.venv-jax012: jax 0.12.1, libtpu 0.0.52; scripts/compile_exported.py).
 
 Each compile must succeed and hold the kernel's Mosaic calls; the largest scoped-VMEM
 limit it compiled under must be the largest its exported calls asked for (a call that
