@@ -36,6 +36,10 @@ Tiles. block_rows is the largest multiple of the dtype's sublane tile that fits
 the chip's VMEM budget (see `vmem.py`), counting double-buffered input and output
 blocks and the f32 temporaries, and capped at MAX_BLOCK_ROWS; a problem with
 fewer rows than that is one block.
+
+Gated RMSNorm (Transformers' `RMSNormGated`: weight * norm(x) * act(gate), SiLU or sigmoid
+gate, forward and backward) shares this tiling and layout: its math and the two rounding
+conventions the families use are at the section "gated RMSNorm" below.
 """
 
 from __future__ import annotations
@@ -425,3 +429,251 @@ def rms_norm_reference(x, weight, *, eps=1e-6, offset=0.0):
   inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   out_dtype = jnp.promote_types(x.dtype, weight.dtype)
   return (xf * inv * (weight.astype(jnp.float32) + offset)).astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------- gated RMSNorm
+#
+# Transformers' `RMSNormGated` hub name (Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / OLMo-Hybrid /
+# Qwen4-Exp / Lara-mini with a SiLU gate; Kimi Linear / Bailing-hybrid / GLM-5-Next with a
+# sigmoid gate; Qwen4-Exp either). Per row r (one head's values: hidden = the head dim),
+# with n = x * inv, inv = 1 / sqrt(mean_j(x[r, j]^2) + eps), and act = silu or sigmoid:
+#
+#   norm_in_input_dtype=True (Qwen3.5, Qwen3-Next, OLMo-Hybrid, Qwen4-Exp):
+#       h = round_p(w * round_x(n)),  y = round_x(h * act(gate))
+#     round_x rounds to x's dtype and round_p to promote(w, x), as
+#     `self.weight * hidden_states.to(input_dtype)` does in torch;
+#   norm_in_input_dtype=False (Kimi Linear, Bailing-hybrid, GLM-5-Next, Lara-mini):
+#       h = w * n  (all f32),         y = round_x(h * act(gate)).
+#
+# The gate is always taken in f32. Backward (roundings are straight-through), with
+# dh = dy * act(gate):
+#
+#   dgate[r, j] = dy * h * act'(gate)
+#   dw[j]       = sum_r dh[r, j] * n_used[r, j]         (n_used: round_x(n) or n)
+#   dx[r, j]    = inv * (dh w - n * mean_j(dh w n))
+#
+# Layout, tiles and the two-stage weight-gradient sum are the plain kernel's (module
+# docstring): x and gate are (rows, hidden) blocks of the same rows, the weight one (1,
+# hidden) block. Families that normalise groups of the hidden size or gate before the norm
+# (Mamba2, NemotronH, Bamba, GraniteMoeHybrid, Zamba2, FalconH1) are not under the hub name
+# and not supported here.
+
+GATED_DTYPES = (jnp.float32, jnp.bfloat16)
+GATE_ACTIVATIONS = ("silu", "sigmoid")
+_GATED_FWD_F32_TEMPORARIES = 4
+_GATED_BWD_F32_TEMPORARIES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class RmsNormGatedConfig:
+  """Everything static about one gated RMSNorm call (hashable: it keys jit caches)."""
+
+  eps: float = 1e-6
+  activation: str = "silu"
+  norm_in_input_dtype: bool = True
+  chip: str = chips.DEFAULT_CHIP
+  block_rows: int | None = None
+  vmem_limit_bytes: int | None = None
+  interpret: bool = False
+
+  def __post_init__(self):
+    if not math.isfinite(self.eps) or self.eps < 0:
+      raise ValueError(f"eps must be finite and >= 0, got {self.eps!r}")
+    if self.activation not in GATE_ACTIVATIONS:
+      raise ValueError(f"activation must be one of {GATE_ACTIVATIONS}, got {self.activation!r}")
+    chips.get_chip(self.chip)
+    if self.block_rows is not None and self.block_rows <= 0:
+      raise ValueError(f"block_rows must be positive, got {self.block_rows!r}")
+
+
+def gated_forward_tiling(rows, hidden, x_dtype, gate_dtype, config) -> Tiling:
+  """Tiling of the gated forward kernel for a (rows, hidden) input."""
+  x_bytes, g_bytes = np.dtype(x_dtype).itemsize, np.dtype(gate_dtype).itemsize
+  return _tiling(rows, hidden, bytes_per_row_buffers=2 * x_bytes + g_bytes,
+                 f32_temporaries=_GATED_FWD_F32_TEMPORARIES, dtypes=(x_dtype, gate_dtype),
+                 config=config)
+
+
+def gated_backward_tiling(rows, hidden, x_dtype, gate_dtype, config) -> Tiling:
+  """Tiling of the gated backward kernel (x, gate, dy in; dx, dgate out)."""
+  x_bytes, g_bytes = np.dtype(x_dtype).itemsize, np.dtype(gate_dtype).itemsize
+  return _tiling(rows, hidden, bytes_per_row_buffers=3 * x_bytes + 2 * g_bytes,
+                 f32_temporaries=_GATED_BWD_F32_TEMPORARIES, dtypes=(x_dtype, gate_dtype),
+                 config=config)
+
+
+def _gate(g, activation):
+  s = jax.nn.sigmoid(g)
+  return g * s if activation == "silu" else s
+
+
+def _gate_grad(g, activation):
+  s = jax.nn.sigmoid(g)
+  return s * (1.0 + g * (1.0 - s)) if activation == "silu" else s * (1.0 - s)
+
+
+def _gated_parts(x, w, eps, norm_in_input_dtype, x_dtype, prod_dtype):
+  """(inv, n, n_used, h) of the module comment, all f32."""
+  inv = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  n = x * inv
+  if norm_in_input_dtype:
+    n_used = n.astype(x_dtype).astype(jnp.float32)
+    h = (w * n_used).astype(prod_dtype).astype(jnp.float32)
+  else:
+    n_used, h = n, w * n
+  return inv, n, n_used, h
+
+
+def _gated_forward_kernel(x_ref, g_ref, w_ref, out_ref, *, eps, activation,
+                          norm_in_input_dtype, prod_dtype):
+  x = x_ref[...].astype(jnp.float32)
+  _, _, _, h = _gated_parts(x, w_ref[...].astype(jnp.float32), eps, norm_in_input_dtype,
+                            x_ref.dtype, prod_dtype)
+  out_ref[...] = (h * _gate(g_ref[...].astype(jnp.float32), activation)).astype(out_ref.dtype)
+
+
+def _gated_backward_kernel(x_ref, g_ref, w_ref, dy_ref, dx_ref, dg_ref, dw_partial_ref, *,
+                           eps, activation, norm_in_input_dtype, prod_dtype, rows,
+                           block_rows):
+  x = x_ref[...].astype(jnp.float32)
+  g = g_ref[...].astype(jnp.float32)
+  w = w_ref[...].astype(jnp.float32)
+  dy = dy_ref[...].astype(jnp.float32)
+  inv, n, n_used, h = _gated_parts(x, w, eps, norm_in_input_dtype, x_ref.dtype, prod_dtype)
+  dh = dy * _gate(g, activation)
+  dg_ref[...] = (dy * h * _gate_grad(g, activation)).astype(dg_ref.dtype)
+  gw = dh * w
+  dx_ref[...] = (inv * (gw - n * jnp.mean(gw * n, axis=-1, keepdims=True))).astype(dx_ref.dtype)
+  # Rows past `rows` in a partial last block hold garbage: select, never multiply.
+  row = pl.program_id(0) * block_rows + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+  dw_partial_ref[...] = jnp.sum(jnp.where(row < rows, dh * n_used, 0.0), axis=0, keepdims=True)
+
+
+def _check_gated_dtype(name, a):
+  if a.dtype not in GATED_DTYPES:
+    raise TypeError(f"{name} must be float32 or bfloat16, got {a.dtype}"
+                    + (" (nothing is down-cast silently)" if a.dtype == np.float64 else ""))
+
+
+def _check_gated_inputs(x, gate, weight):
+  _check_gated_dtype("x", x)
+  _check_gated_dtype("gate", gate)
+  _check_gated_dtype("weight", weight)
+  if x.ndim < 1:
+    raise ValueError(f"x must have a hidden axis, got shape {x.shape}")
+  hidden = x.shape[-1]
+  if gate.shape != x.shape:
+    raise ValueError(f"gate must have x's shape {x.shape}, got {gate.shape}")
+  if weight.shape != (hidden,):
+    raise ValueError(f"weight must have shape ({hidden},), got {weight.shape}")
+  return hidden
+
+
+def rms_norm_gated_forward(x, gate, weight, *,
+                           config: RmsNormGatedConfig = RmsNormGatedConfig()):
+  """Gated forward kernel.
+
+  Args:
+    x: (..., hidden) f32 / bf16 (hidden: the head dim; Transformers passes (rows, head_dim)).
+    gate: x's shape, f32 / bf16.
+    weight: (hidden,) f32 / bf16.
+  Returns:
+    y of x's shape and dtype.
+  """
+  hidden = _check_gated_inputs(x, gate, weight)
+  rows = math.prod(x.shape[:-1])
+  if rows == 0:
+    return jnp.zeros(x.shape, x.dtype)
+  tiling = gated_forward_tiling(rows, hidden, x.dtype, gate.dtype, config)
+  row_block = pl.BlockSpec((tiling.block_rows, hidden), lambda i: (i, 0))
+  out = pl.pallas_call(
+      functools.partial(_gated_forward_kernel, eps=config.eps, activation=config.activation,
+                        norm_in_input_dtype=config.norm_in_input_dtype,
+                        prod_dtype=jnp.promote_types(x.dtype, weight.dtype)),
+      grid=(pl.cdiv(rows, tiling.block_rows),),
+      in_specs=[row_block, row_block, pl.BlockSpec((1, hidden), lambda i: (0, 0))],
+      out_specs=row_block,
+      out_shape=jax.ShapeDtypeStruct((rows, hidden), x.dtype),
+      compiler_params=_compiler_params(tiling, 3, 2),
+      interpret=config.interpret,
+      name="rms_norm_gated_fwd",
+  )(_as_rows(x, hidden), _as_rows(gate, hidden), weight.reshape(1, hidden))
+  return out.reshape(x.shape)
+
+
+def rms_norm_gated_backward(x, gate, weight, grad_out, *,
+                            config: RmsNormGatedConfig = RmsNormGatedConfig()):
+  """Gated backward kernel: (dx in x's dtype, dgate in gate's dtype, dweight in weight's)."""
+  hidden = _check_gated_inputs(x, gate, weight)
+  if grad_out.shape != x.shape:
+    raise ValueError(f"grad_out must have shape {x.shape}, got {grad_out.shape}")
+  rows = math.prod(x.shape[:-1])
+  if rows == 0:
+    return jnp.zeros_like(x), jnp.zeros_like(gate), jnp.zeros_like(weight)
+  tiling = gated_backward_tiling(rows, hidden, x.dtype, gate.dtype, config)
+  num_blocks = pl.cdiv(rows, tiling.block_rows)
+  row_block = pl.BlockSpec((tiling.block_rows, hidden), lambda i: (i, 0))
+  dx, dgate, dw_partial = pl.pallas_call(
+      functools.partial(_gated_backward_kernel, eps=config.eps,
+                        activation=config.activation,
+                        norm_in_input_dtype=config.norm_in_input_dtype,
+                        prod_dtype=jnp.promote_types(x.dtype, weight.dtype), rows=rows,
+                        block_rows=tiling.block_rows),
+      grid=(num_blocks,),
+      in_specs=[row_block, row_block, pl.BlockSpec((1, hidden), lambda i: (0, 0)), row_block],
+      out_specs=[row_block, row_block, pl.BlockSpec((None, 1, hidden), lambda i: (i, 0, 0))],
+      out_shape=[jax.ShapeDtypeStruct((rows, hidden), x.dtype),
+                 jax.ShapeDtypeStruct((rows, hidden), gate.dtype),
+                 jax.ShapeDtypeStruct((num_blocks, 1, hidden), jnp.float32)],
+      compiler_params=_compiler_params(tiling, 4, 2),
+      interpret=config.interpret,
+      name="rms_norm_gated_bwd",
+  )(_as_rows(x, hidden), _as_rows(gate, hidden), weight.reshape(1, hidden),
+    _as_rows(grad_out.astype(x.dtype), hidden))
+  dweight = jnp.sum(dw_partial, axis=(0, 1)).astype(weight.dtype)
+  return dx.reshape(x.shape), dgate.reshape(gate.shape), dweight
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _rms_norm_gated(x, gate, weight, config):
+  return rms_norm_gated_forward(x, gate, weight, config=config)
+
+
+def _rms_norm_gated_fwd(x, gate, weight, config):
+  return rms_norm_gated_forward(x, gate, weight, config=config), (x, gate, weight)
+
+
+def _rms_norm_gated_bwd(config, saved, grad_out):
+  x, gate, weight = saved
+  return rms_norm_gated_backward(x, gate, weight, grad_out, config=config)
+
+
+_rms_norm_gated.defvjp(_rms_norm_gated_fwd, _rms_norm_gated_bwd)
+
+
+def rms_norm_gated(x, gate, weight, *, eps=1e-6, activation="silu", norm_in_input_dtype=True,
+                   chip=chips.DEFAULT_CHIP, block_rows=None, vmem_limit_bytes=None,
+                   interpret=False):
+  """Gated RMSNorm, weight * norm(x) * act(gate), differentiable (Pallas backward).
+
+  x: (..., hidden) f32/bf16; gate: x's shape, f32/bf16; weight: (hidden,) f32/bf16.
+  Returns x's shape and dtype. activation: "silu" (Qwen3.5 / Qwen3-Next / OLMo-Hybrid /
+  Lara-mini) or "sigmoid" (Kimi Linear / Bailing-hybrid / GLM-5-Next). norm_in_input_dtype:
+  True rounds norm(x) to x's dtype before the weight (Qwen3.5 / Qwen3-Next / OLMo-Hybrid /
+  Qwen4-Exp), False keeps it all in f32 (Kimi Linear / Bailing-hybrid / GLM-5-Next /
+  Lara-mini). chip, block_rows, vmem_limit_bytes, interpret: as `rms_norm`.
+  """
+  config = RmsNormGatedConfig(eps=float(eps), activation=activation,
+                              norm_in_input_dtype=bool(norm_in_input_dtype), chip=chip,
+                              block_rows=block_rows, vmem_limit_bytes=vmem_limit_bytes,
+                              interpret=interpret)
+  return _rms_norm_gated(x, gate, weight, config)
+
+
+def rms_norm_gated_reference(x, gate, weight, *, eps=1e-6, activation="silu",
+                             norm_in_input_dtype=True):
+  """Plain-XLA gated RMSNorm (the same roundings), the baseline for benchmarks."""
+  _, _, _, h = _gated_parts(x.astype(jnp.float32), weight.astype(jnp.float32), eps,
+                            norm_in_input_dtype, x.dtype, jnp.promote_types(x.dtype,
+                                                                            weight.dtype))
+  return (h * _gate(gate.astype(jnp.float32), activation)).astype(x.dtype)
