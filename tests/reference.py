@@ -297,8 +297,9 @@ def ragged_dot_grads(lhs, rhs, group_sizes, grad_out, group_offset=0, transpose_
 #   2e-5 leaves ~10x margin over that worst case, and is still far below what any
 #   masking mistake gives (a wrong key moves a row by ~P * |v| >> 1e-3).
 # bfloat16: bf16 inputs, f32 logits (products of bf16 numbers are exact in f32) and
-#   f32 softmax statistics; as every flash kernel does, P is rounded to bf16 (relative
-#   error <= 2^-8) before the PV matmul, and out is rounded to bf16 (<= 2^-8 of |out|).
+#   f32 softmax statistics; P is rounded to bf16 (relative error <= 2^-8) before the PV
+#   matmul (as this kernel and most flash kernels do; jax's splash attention keeps P in
+#   f32 there), and out is rounded to bf16 (<= 2^-8 of |out|).
 #   The P roundings move out[i] by <= 2^-8 * sum_j P |v| (if they all add up; they
 #   mostly cancel), and sum_j P |v| <= ~4x max|out| for unit-normal v (a row spreading
 #   over many keys is smaller than its terms): atol 1.6e-2 (= 4 * 2^-8) covers that
@@ -377,6 +378,14 @@ def _attention_parts(q, k, v, causal, sm_scale, sliding_window, soft_cap, segmen
   scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
   u = scale * (q @ np.swapaxes(k, -1, -2))
   t = u if soft_cap is None else soft_cap * np.tanh(u / soft_cap)
+  # The cap's slope dt / du = sech^2(u / soft_cap), as 1 / cosh^2: full relative precision
+  # at every u (cosh overflows to inf past |x| ~ 710, where the slope is 0 in float64 too).
+  # Never 1 - tanh^2, which cancels once tanh rounds to 1 (|x| ~ 19 in float64, ~ 9 in
+  # float32): that would make the reference itself wrong where the cap saturates.
+  slope = None
+  if soft_cap is not None:
+    with np.errstate(over="ignore"):
+      slope = 1.0 / np.cosh(u / soft_cap) ** 2
   vis = attention_visible(batch, q_len, k.shape[2], causal=causal,
                           sliding_window=sliding_window, segment_ids=segment_ids,
                           q_offset=q_offset)[:, None]
@@ -390,7 +399,7 @@ def _attention_parts(q, k, v, causal, sm_scale, sliding_window, soft_cap, segmen
   lse = np.where(denom > 0, m + np.log(np.where(denom > 0, denom, 1.0)), -np.inf)
   p = e / np.where(denom > 0, denom, 1.0)[..., None]
   p_sink = None if sink is None else np.exp(sink - lse)
-  return dict(q=q, k=k, v=v, scale=scale, t=t, p=p, p_sink=p_sink, lse=lse,
+  return dict(q=q, k=k, v=v, scale=scale, t=t, slope=slope, p=p, p_sink=p_sink, lse=lse,
               out=p @ v, group=group)
 
 
@@ -412,7 +421,8 @@ def attention_grads(q, k, v, grad_out, *, causal=False, sm_scale=None, sliding_w
   and D = sum_j P_j dP_j = dO . out:
     dL/dt_c = sum_a dP_a P_a (delta_ac - P_c) + grad_lse P_c = P_c (dP_c - D + grad_lse)
   for keys (c = j), and P_sink (0 - D + grad_lse) for the sink. Then
-    soft-cap: du = dt * (1 - (t / soft_cap)^2)        (d/du c tanh(u / c) = 1 - tanh^2)
+    soft-cap: du = dt * sech^2(u / soft_cap)        (d/du c tanh(u / c); as 1 / cosh^2,
+              which keeps its digits where the cap saturates)
     dq[i] = sm_scale * sum_j du[i, j] k[j]
     dk[j] = sm_scale * sum_{h in group, i} du[i, j] q[i]
     dv[j] = sum_{h in group, i} P[i, j] dO[i]
@@ -428,7 +438,7 @@ def attention_grads(q, k, v, grad_out, *, causal=False, sm_scale=None, sliding_w
   dp = g @ np.swapaxes(r["v"], -1, -2)
   d_row = np.sum(p * dp, axis=-1, keepdims=True)
   dt = p * (dp - d_row + gl)
-  du = dt if soft_cap is None else dt * (1.0 - (r["t"] / soft_cap) ** 2)
+  du = dt if soft_cap is None else dt * r["slope"]
   dq = r["scale"] * (du @ r["k"])
   dk = r["scale"] * (np.swapaxes(du, -1, -2) @ r["q"])
   dv = np.swapaxes(p, -1, -2) @ g
@@ -451,12 +461,15 @@ def attention_grad_scales(q, k, v, grad_out, *, causal=False, sm_scale=None,
   its error, up to 2^-8 * sum_d |dO[i, d] O[i, d]|, is the same for every key of the
   row, so it does not cancel when the true dS = P (dP - D + grad_lse) does (a row
   attending to one key has dP_j = D exactly: dS is then grad_lse alone while dP and D
-  are ~|dO| |v|). That error reaches
-    dq[i, d] as sm_scale * Dabs[i] * sum_j P[i, j] |k[j, d]|,
-    dk[j, d] as sm_scale * sum_{h in group, i} P[i, j] Dabs[i] |q[i, d]|,
+  are ~|dO| |v|). That error reaches, through the soft cap's slope c[i, j] =
+  sech^2(u[i, j] / soft_cap) (1 without a cap),
+    dq[i, d] as sm_scale * Dabs[i] * sum_j P[i, j] c[i, j] |k[j, d]|,
+    dk[j, d] as sm_scale * sum_{h in group, i} P[i, j] c[i, j] Dabs[i] |q[i, d]|,
     dsinks[h] as sum_{b, i} P_sink[i] Dabs[i]       (Dabs[i] = sum_d |dO[i, d] O[i, d]|),
   so a gradient is judged against the larger of its own size and that. dv does not
-  involve D: its magnitude is max|dv|.
+  involve D: its magnitude is max|dv|. Without the slope the reach would be 1e6x max|dq|
+  where unscaled logits saturate the cap (uniform [0, 1) inputs, sm_scale 1, cap 5:
+  issue 61), and no error of the cap's derivative could fail the comparison.
   """
   r = _attention_parts(q, k, v, causal, sm_scale, sliding_window, soft_cap, segment_ids,
                        sinks, q_offset)
@@ -465,7 +478,7 @@ def attention_grad_scales(q, k, v, grad_out, *, causal=False, sm_scale=None,
                           segment_ids=segment_ids, sinks=sinks, q_offset=q_offset,
                           grad_lse=grad_lse)
   d_abs = np.sum(np.abs(f64(grad_out) * r["out"]), axis=-1)                 # [B, Hq, Sq]
-  p = r["p"]
+  p = r["p"] if r["slope"] is None else r["p"] * r["slope"]
   d_dq = r["scale"] * d_abs[..., None] * (p @ np.abs(r["k"]))
   d_dk = r["scale"] * (np.swapaxes(p * d_abs[..., None], -1, -2) @ np.abs(r["q"]))
   batch, num_q_heads, kv_len, head_dim = d_dk.shape

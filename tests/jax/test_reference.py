@@ -230,11 +230,14 @@ def test_attention_grads_match_explicit_jacobian(case):
     np.testing.assert_allclose(grads["dsinks"], dsinks, rtol=1e-10, atol=1e-12)
 
 
-def _flash_model(q, k, v, g, gl, bf16, opts, block_k=128, cap_grad=True):
+def _flash_model(q, k, v, g, gl, bf16, opts, block_k=128, cap_grad="sech2"):
   """A NumPy model of a flash kernel's roundings (not of its code): f32 logits and
   statistics, a blocked online softmax, P rounded to bf16 before the PV matmul, out
   rounded to bf16; backward with D from the rounded out, P and dS rounded to bf16
-  before their matmuls, gradients rounded to bf16. Returns (out, lse, grads)."""
+  before their matmuls, gradients rounded to bf16. The cap's slope in f32: "sech2"
+  (1 / cosh^2, its full precision), "one_minus_tanh2" (1 - tanh^2, which cancels once
+  tanh rounds to 1: the flash backward before issue 61) or None (dropped). Returns
+  (out, lse, grads)."""
   import ml_dtypes
   rnd = (lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)) if bf16 else (
       lambda a: a.astype(np.float32))
@@ -245,10 +248,10 @@ def _flash_model(q, k, v, g, gl, bf16, opts, block_k=128, cap_grad=True):
   scale = f32(opts.get("sm_scale") or 1 / np.sqrt(head_dim))
   q = q.astype(f32)
   k, v = np.repeat(k, group, 1).astype(f32), np.repeat(v, group, 1).astype(f32)
-  s = np.einsum("bhid,bhjd->bhij", q, k) * scale
+  s = u = np.einsum("bhid,bhjd->bhij", q, k) * scale
   cap = opts.get("soft_cap")
   if cap is not None:
-    s = f32(cap) * np.tanh(s / f32(cap))
+    s = f32(cap) * np.tanh(u / f32(cap))
   vis = ref.attention_visible(batch, q_len, kv_len, causal=opts.get("causal", False),
                               sliding_window=opts.get("sliding_window"),
                               q_offset=opts.get("q_offset", 0))[:, None]
@@ -275,8 +278,11 @@ def _flash_model(q, k, v, g, gl, bf16, opts, block_k=128, cap_grad=True):
   p = np.exp(s - np.where(np.isfinite(lse), lse, 0)[..., None]).astype(f32)
   d_row = (g * out).sum(-1, dtype=f32)
   ds = p * (np.einsum("bhid,bhjd->bhij", g, v) - d_row[..., None] + gl[..., None])
-  if cap is not None and cap_grad:
-    ds = ds * (1 - (np.where(vis, s, 0) / f32(cap)) ** 2)
+  if cap is not None and cap_grad == "sech2":
+    with np.errstate(over="ignore"):
+      ds = ds * (1 / np.cosh(u / f32(cap)) ** 2).astype(f32)
+  elif cap is not None and cap_grad == "one_minus_tanh2":
+    ds = ds * (1 - np.tanh(u / f32(cap)) ** 2).astype(f32)
   fold = lambda a: a.reshape(batch, num_kv_heads, group, kv_len, head_dim).sum(2)
   grads = dict(dq=rnd(np.einsum("bhij,bhjd->bhid", rnd(ds), k) * scale),
                dk=rnd(fold(np.einsum("bhij,bhid->bhjd", rnd(ds), q) * scale)),
@@ -344,8 +350,62 @@ def test_attention_tolerances_reject_masking_mistakes(dtype, mistake, expected):
   elif mistake == "no_sink":
     wrong["sinks"] = np.array([-50.0, -50.0])
   out, lse, grads = _flash_model(q, k, v, g, gl, dtype == "bfloat16", wrong,
-                                 cap_grad=mistake != "no_cap_derivative")
+                                 cap_grad=None if mistake == "no_cap_derivative" else "sech2")
   assert expected in _failures(dtype, opts, q, k, v, g, gl, out, lse, grads)
+
+
+def _saturating_problem(dtype, seed=3, head_dim=64):
+  """Issue 61's inputs (splash attention's backward test data): uniform [0, 1) q, k, v,
+  dout and lse cotangent, sm_scale 1, so logits of ~D / 4 that a cap of 1-10 saturates."""
+  import ml_dtypes
+  np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+  rng = np.random.default_rng(seed)
+  q = rng.random((1, 2, 130, head_dim)).astype(np_dtype)
+  k, v = (rng.random((1, 1, 130, head_dim)).astype(np_dtype) for _ in range(2))
+  g = rng.random(q.shape).astype(np_dtype)
+  gl = rng.random(q.shape[:3]).astype(np.float32)
+  return q, k, v, g, gl
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_tolerances_reject_a_cancelling_cap_slope(dtype):
+  """Where unscaled logits saturate the cap, a backward that takes the cap's slope as
+  1 - tanh^2 (0 once tanh rounds to 1 in f32) fails the gradient tolerances, and one that
+  keeps the slope's digits passes: `attention_grad_scales` weighs the rounding of
+  rowsum(dO * O) by the slope, so the scale does not swamp the error (without that
+  weight it was ~1e6x max|dq| here)."""
+  q, k, v, g, gl = _saturating_problem(dtype)
+  opts = dict(sm_scale=1.0, soft_cap=1.0, causal=True)       # x = u / cap ~ 16 +- 4
+  bf16 = dtype == "bfloat16"
+  assert not _failures(dtype, opts, q, k, v, g, gl,
+                       *_flash_model(q, k, v, g, gl, bf16, opts, cap_grad="sech2"))
+  failures = _failures(dtype, opts, q, k, v, g, gl,
+                       *_flash_model(q, k, v, g, gl, bf16, opts, cap_grad="one_minus_tanh2"))
+  assert "dq" in failures and "dk" in failures, failures
+
+
+def test_attention_grads_keep_their_digits_where_the_cap_saturates():
+  """The reference's cap slope (1 / cosh^2) against sech^2 = 4 e^(-2|x|) / (1 + e^(-2|x|))^2,
+  each key by hand, at x = u / cap from ~20 to ~80 (slopes 1e-17 down to 1e-69): every
+  element of dq and dk to 1e-9 relative. 1 - tanh^2 in float64 is 0 there (tanh rounds
+  to 1 past |x| ~ 19): checked, so the test tells the two apart."""
+  rng = np.random.default_rng(11)
+  q, k = (0.5 + 0.5 * rng.random((1, 1, n, 4)) for n in (3, 6))
+  v, g = rng.random((1, 1, 6, 4)), rng.random((1, 1, 3, 4))
+  opts = dict(sm_scale=20.0, soft_cap=1.0)
+  grads = ref.attention_grads(q, k, v, g, **opts)
+  u = 20.0 * q[0, 0] @ k[0, 0].T                                     # [3, 6]
+  assert u.min() > 19.5, u.min()
+  t = np.tanh(u)
+  p = np.exp(t - t.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  dp = g[0, 0] @ v[0, 0].T
+  dt = p * (dp - (p * dp).sum(-1, keepdims=True))
+  e = np.exp(-2 * np.abs(u))
+  du = dt * 4 * e / (1 + e) ** 2
+  np.testing.assert_allclose(grads["dq"][0, 0], 20.0 * du @ k[0, 0], rtol=1e-9, atol=0)
+  np.testing.assert_allclose(grads["dk"][0, 0], 20.0 * du.T @ q[0, 0], rtol=1e-9, atol=0)
+  assert grads["dq"].any() and not (1 - t**2).any()
 
 
 # ----------------------------------------------------------------------------- paged attention
