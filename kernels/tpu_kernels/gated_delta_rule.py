@@ -774,10 +774,13 @@ def _pack_plan(cu_seqlens, num_tokens: int, num_seqs: int):
   seq = jnp.clip(jnp.searchsorted(cu[1:], tok, side="right"), 0, num_seqs - 1)
   inside = (tok >= cu[0]) & (tok < cu[-1])
   dest = jnp.where(inside, chunk_start[seq] * CHUNK + tok - cu[seq], rows).astype(jnp.int32)
-  src = jnp.full((rows,), num_tokens, jnp.int32).at[dest].set(tok, mode="drop")
   n = jnp.arange(num_chunks, dtype=jnp.int32)
   chunk_seq = jnp.clip(jnp.searchsorted(chunk_end, n, side="right"), 0, num_seqs - 1)
   chunk_seq = chunk_seq.astype(jnp.int32)
+  row = jnp.arange(rows, dtype=jnp.int32)
+  row_seq = chunk_seq[row // CHUNK]
+  pos = row - chunk_start[row_seq] * CHUNK            # position in its sequence
+  src = jnp.where(pos < lens[row_seq], cu[row_seq] + pos, num_tokens).astype(jnp.int32)
   first = n == chunk_start[chunk_seq]
   last = jnp.concatenate([first[1:], jnp.ones((1,), bool)])
   flags = first.astype(jnp.int32) * _FIRST + last.astype(jnp.int32) * _LAST
@@ -787,6 +790,26 @@ def _pack_plan(cu_seqlens, num_tokens: int, num_seqs: int):
 def _gather_rows(x, idx):
   """x [T, ...] rows at idx; idx == T gives a zero row."""
   return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])[idx]
+
+
+@jax.custom_vjp
+def _move_rows(x, to, back):
+  """Rows of x [R, ...] moved by a partial permutation: out[i] = x[to[i]] (a zero row where
+  to[i] == R), each row of x going to at most one place, back[j] (len(to) for nowhere).
+  Its transpose is the gather by `back` (not a scatter-add)."""
+  return _gather_rows(x, to)
+
+
+def _move_rows_fwd(x, to, back):
+  return _gather_rows(x, to), (to, back)
+
+
+def _move_rows_bwd(saved, d_out):
+  to, back = saved
+  return _gather_rows(d_out, back), None, None
+
+
+_move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -918,8 +941,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, initial_state=None,
   else:
     num_chunks, src, dest, seq_tab, flag_tab = _pack_plan(cu_seqlens, seq, num_states)
     bx, tx = 1, num_chunks * CHUNK
-    qx, kx, vx = (_gather_rows(a[0], src)[None] for a in (qx, kx, vx))
-    gx, bx_ = (_gather_rows(a[0], src)[None] for a in (g, beta))
+    qx, kx, vx, gx, bx_ = (_move_rows(a[0], src, dest)[None] for a in (qx, kx, vx, g, beta))
   tiles = _gate_tiles(gx, bx_, num_chunks)
   h0x = None
   if initial_state is not None:
@@ -936,7 +958,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, initial_state=None,
   if cu_seqlens is None:
     o = ox[:, :seq]
   else:
-    o = _gather_rows(ox[0], dest)[None]
+    o = _move_rows(ox[0], dest, src)[None]
   o = o.reshape(batch, seq, num_v_heads, vp)[..., :v_dim]
   final = None
   if output_final_state:
@@ -1141,14 +1163,15 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None,
     # g 0: no change to the state).
     cu = cu_seqlens.astype(jnp.int32)
     pos = cu[:-1, None] + jnp.arange(tokens, dtype=jnp.int32)[None, :]
-    src = jnp.where(pos < cu[1:, None], pos, seq)                       # [N, L]
-    dense = [_gather_rows(a[0], src) for a in (q, k, v, g, beta)]
-    o_d, state = _recurrent(*dense, h0, st, chunk_options)
+    src = jnp.where(pos < cu[1:, None], pos, seq).reshape(-1)          # [N * L]
     tok = jnp.arange(seq, dtype=jnp.int32)
     seq_of = jnp.clip(jnp.searchsorted(cu[1:], tok, side="right"), 0, num_states - 1)
     inside = (tok >= cu[0]) & (tok < cu[-1])
     flat = jnp.where(inside, seq_of * tokens + tok - cu[seq_of], num_states * tokens)
-    o = _gather_rows(o_d.reshape(num_states * tokens, num_v_heads, v_dim), flat)[None]
+    dense = [_move_rows(a[0], src, flat).reshape((num_states, tokens) + a.shape[2:])
+             for a in (q, k, v, g, beta)]
+    o_d, state = _recurrent(*dense, h0, st, chunk_options)
+    o = _move_rows(o_d.reshape(num_states * tokens, num_v_heads, v_dim), flat, src)[None]
   return o, (state if output_final_state else None)
 
 
