@@ -58,7 +58,9 @@ Grids and blocks (every axis "parallel": no state is carried between grid steps)
             and its block's dweight / dbias partial sums (f32, one slot per (b, t) step,
             summed by XLA), so that no axis carries an accumulator.
   update    grid (cdiv(B, block_b), cdiv(D, block_d)); x (block_b, T, block_d), state
-            (block_b, S, block_d) in and out (aliased), weight, bias.
+            (block_b, S, block_d) in and out (aliased), weight, bias. One step (T = 1) takes
+            x and out as [B, D] with (block_b, block_d) blocks: then x, out and the state
+            all reach and leave the kernel by bitcasts (no retiling copy around it).
 
 When T fits in one block there is no halo operand at all. Partial last blocks (T, D or B
 not a multiple of the block) are clipped by Pallas; rows past T may hold garbage, so the
@@ -280,28 +282,45 @@ def backward_tiling(batch, seqlen, dim, width, x_dtype, weight_dtype, packed,
 
 def update_tiling(batch, seqlen, state_len, dim, width, x_dtype, state_dtype, weight_dtype,
                   config: CausalConv1dConfig) -> ConvTiling:
-  """Tiling of the decode update for x [batch, seqlen, dim], state [batch, state_len, dim]."""
+  """Tiling of the decode update for x [batch, seqlen, dim], state [batch, state_len, dim].
+
+  One step (seqlen 1) takes x and out as 2-D (block_b, block_d) blocks, so block_b is then
+  a multiple of x's sublane tile (or the whole batch)."""
   xb, sb, wb = _itemsize(x_dtype), _itemsize(state_dtype), _itemsize(weight_dtype)
+  two_d = seqlen == 1
+  rows = vmem.sublane_multiple(x_dtype) if two_d else 1   # block_b granularity
 
   def plan(block_b, block_d):
     lanes = vmem.lane_padded(block_d)
-    per_batch = (2 * _padded_rows(seqlen, x_dtype) * xb            # x in, out
-                 + 2 * _padded_rows(state_len, state_dtype) * sb)   # state in, out
-    fixed = (_padded_rows(width, weight_dtype) + _padded_rows(1, weight_dtype)) * wb
-    temps = _UPDATE_F32_TEMPORARIES * vmem.round_up(state_len + seqlen, 8) * 4
-    return (2 * (block_b * per_batch + fixed) + block_b * temps) * lanes
+    x_rows = _padded_rows(block_b, x_dtype) if two_d else block_b * _padded_rows(seqlen,
+                                                                                 x_dtype)
+    buffers = (2 * x_rows * xb                                                # x in, out
+               + 2 * block_b * _padded_rows(state_len, state_dtype) * sb     # state in, out
+               + (_padded_rows(width, weight_dtype) + _padded_rows(1, weight_dtype)) * wb)
+    temps = _UPDATE_F32_TEMPORARIES * block_b * vmem.round_up(state_len + seqlen, 8) * 4
+    return (2 * buffers + temps) * lanes
 
   choices = _block_d_choices(dim, config)
-  limit, budget = _limit_for(plan(1, choices[-1]), config)
+  smallest = min(batch, rows)
+  limit, budget = _limit_for(plan(smallest, choices[-1]), config)
   if config.block_b is not None:
     block_b = min(config.block_b, batch)
+    if block_b < batch and block_b % rows:
+      raise ValueError(f"block_b={config.block_b} must be a multiple of {rows} for one-step "
+                       f"updates of {np.dtype(x_dtype).name} x (or cover all {batch} rows)")
     return ConvTiling(seqlen, choices[0], block_b, 0, limit, plan(block_b, choices[0]))
   for block_d in choices:
-    per_b = plan(2, block_d) - plan(1, block_d)
-    fit = (budget - (plan(1, block_d) - per_b)) // per_b
-    if fit >= 1:
-      block_b = min(fit if fit < 8 else vmem.round_down(fit, 8), MAX_BLOCK_B, batch)
-      return ConvTiling(seqlen, block_d, block_b, 0, limit, plan(block_b, block_d))
+    if plan(smallest, block_d) > budget:
+      continue
+    block_b = smallest
+    for candidate in range(rows, min(batch, MAX_BLOCK_B) + rows, rows):
+      candidate = min(candidate, batch)
+      if plan(candidate, block_d) > budget:
+        break
+      block_b = candidate
+    if not two_d and block_b >= 8:
+      block_b = vmem.round_down(block_b, 8)
+    return ConvTiling(seqlen, block_d, block_b, 0, limit, plan(block_b, block_d))
   chip = chips.get_chip(config.chip)
   raise ValueError(
       f"the causal conv1d update needs {plan(1, choices[-1])} bytes of VMEM for one batch "
@@ -448,9 +467,11 @@ def _update_kernel(*refs, width, state_len, seqlen, has_bias, silu, compute_dtyp
   x_ref, s_ref, w_ref = refs.pop(0), refs.pop(0), refs.pop(0)
   b_ref = refs.pop(0) if has_bias else None
   out_ref, s_out_ref = refs
+  x = _widen(x_ref[...], compute_dtype)
+  if x.ndim == 2:           # one step: x and out are (block_b, block_d) blocks
+    x = x[:, None, :]
   # Transformers: full = cat(conv_state, x).to(weight.dtype); state <- full[..., -S:].
-  full = jnp.concatenate([_widen(s_ref[...], compute_dtype),
-                          _widen(x_ref[...], compute_dtype)], axis=1)
+  full = jnp.concatenate([_widen(s_ref[...], compute_dtype), x], axis=1)
   s_out_ref[...] = full[:, seqlen:, :].astype(s_out_ref.dtype)
   w = w_ref[...].astype(jnp.float32)
   z = None
@@ -462,7 +483,7 @@ def _update_kernel(*refs, width, state_len, seqlen, has_bias, silu, compute_dtyp
     z = z + b_ref[...].astype(jnp.float32)[None]
   z = z.astype(compute_dtype).astype(jnp.float32)
   out = _activation(z, silu).astype(compute_dtype)
-  out_ref[...] = out.astype(out_ref.dtype)
+  out_ref[...] = (out[:, 0, :] if len(out_ref.shape) == 2 else out).astype(out_ref.dtype)
 
 
 # ----------------------------------------------------------------------------- calls
@@ -647,14 +668,20 @@ def conv1d_update(x, state, weight_t, bias, *, config: CausalConv1dConfig):
                          weight_t.dtype, config)
   block_b, block_d = tiling.block_b, tiling.block_d
   grid = (pl.cdiv(batch, block_b), pl.cdiv(dim, block_d))
-  x_block = pl.BlockSpec((block_b, seqlen, block_d), lambda b, d: (b, 0, d))
+  if seqlen == 1:
+    # [B, 1, D] -> [B, D]: XLA's layout of a one-step x then reaches the kernel (and the
+    # output leaves it) by bitcasts; a (block_b, 1, block_d) block would be retiled.
+    x = x.reshape(batch, dim)
+    x_block = pl.BlockSpec((block_b, block_d), lambda b, d: (b, d))
+  else:
+    x_block = pl.BlockSpec((block_b, seqlen, block_d), lambda b, d: (b, 0, d))
   s_block = pl.BlockSpec((block_b, state_len, block_d), lambda b, d: (b, 0, d))
   operands = [x, state, weight_t]
   in_specs = [x_block, s_block, pl.BlockSpec((width, block_d), lambda b, d: (0, d))]
   if has_bias:
     operands.append(bias.reshape(1, dim))
     in_specs.append(pl.BlockSpec((1, block_d), lambda b, d: (0, d)))
-  return pl.pallas_call(
+  out, new_state = pl.pallas_call(
       functools.partial(_update_kernel, width=width, state_len=state_len, seqlen=seqlen,
                         has_bias=has_bias, silu=config.silu, compute_dtype=weight_t.dtype),
       grid=grid,
@@ -667,6 +694,7 @@ def conv1d_update(x, state, weight_t, bias, *, config: CausalConv1dConfig):
       interpret=config.interpret,
       name="causal_conv1d_update",
   )(*operands)
+  return out.reshape(batch, seqlen, dim), new_state
 
 
 # ----------------------------------------------------------------------------- packing

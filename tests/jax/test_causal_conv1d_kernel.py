@@ -137,13 +137,14 @@ def test_gradients_match_reference(p):
 @st.composite
 def update_problems(draw):
   width = draw(st.sampled_from(WIDTHS))
-  return dict(batch=draw(st.integers(1, 5)), dim=draw(st.sampled_from(DIMS)), width=width,
+  return dict(batch=draw(st.sampled_from([1, 3, 5, 17])), dim=draw(st.sampled_from(DIMS)),
+              width=width,
               state_len=max(width - 1, 0) + draw(st.sampled_from([0, 0, 1, 3])),
               seqlen=draw(st.sampled_from([1, 1, 2, 3])), two_d=draw(st.booleans()),
               x_dtype=draw(st.sampled_from(DTYPES)), w_dtype=draw(st.sampled_from(DTYPES)),
               s_dtype=draw(st.sampled_from(DTYPES)), bias=draw(st.booleans()),
               activation=draw(st.sampled_from([None, "silu"])),
-              block_b=draw(st.sampled_from([None, 2])),
+              block_b=draw(st.sampled_from([None, 2, 8, 16])),
               block_d=draw(st.sampled_from([None, 128])), seed=draw(st.integers(0, 2**31 - 1)))
 
 
@@ -156,8 +157,12 @@ def test_update_matches_reference(p):
   w = _array(rng, (p["dim"], p["width"]), p["w_dtype"], 0.5)
   b = _array(rng, (p["dim"],), p["w_dtype"], 0.5) if p["bias"] else None
   two_d = p["two_d"] and p["seqlen"] == 1
+  block_b = p["block_b"]
+  if (p["seqlen"] == 1 and block_b is not None and block_b < p["batch"]
+      and block_b % vmem.sublane_multiple(x.dtype)):
+    block_b = None   # one-step updates take (block_b, block_d) x blocks: whole sublane tiles
   out, new_state = update(x[:, :, 0] if two_d else x, state, w, b,
-                          activation=p["activation"], block_b=p["block_b"],
+                          activation=p["activation"], block_b=block_b,
                           block_d=p["block_d"])
   expected, expected_state, scale = rl.causal_conv1d_update(x, state, w, b, p["activation"])
   assert out.dtype == x.dtype and new_state.dtype == state.dtype
@@ -370,6 +375,8 @@ def test_float64_is_refused_not_cast():
     (dict(conv_state=jnp.ones((1, 8, 4), jnp.float16)), "conv_state must be float32"),
     (dict(x=jnp.ones((1, 8, 1, 1))), r"x must be \[B, D, T\] or \[B, D\]"),
     (dict(activation="relu"), "activation must be one of"),
+    (dict(x=jnp.ones((40, 8, 1)), conv_state=jnp.ones((40, 8, 4)), block_b=12),
+     "block_b=12 must be a multiple of 8"),
 ])
 def test_bad_update_inputs_are_rejected(kwargs, error):
   args = dict(x=jnp.ones((1, 8, 1)), conv_state=jnp.ones((1, 8, 4)), weight=_W,
@@ -399,10 +406,13 @@ def test_default_tiling_fits_budget(chip, dim, width, dtype):
         assert tiling.block_t % tiling.halo == 0 and tiling.block_t <= K.MAX_BLOCK_T
       else:
         assert tiling.block_t == seqlen and tiling.halo == 0
-  for batch in (1, 64, 256):
-    t = K.update_tiling(batch, 1, width, dim, width, dtype, dtype, dtype, config)
-    assert 1 <= t.block_b <= min(batch, K.MAX_BLOCK_B)
-    assert t.vmem_plan_bytes <= t.vmem_limit_bytes * vmem.BUDGET_FRACTION
+  for batch in (1, 12, 64, 256):
+    for steps in (1, 3):
+      t = K.update_tiling(batch, steps, width, dim, width, dtype, dtype, dtype, config)
+      assert 1 <= t.block_b <= min(batch, K.MAX_BLOCK_B)
+      if steps == 1:   # 2-D (block_b, block_d) x blocks
+        assert t.block_b == batch or t.block_b % vmem.sublane_multiple(dtype) == 0
+      assert t.vmem_plan_bytes <= t.vmem_limit_bytes * vmem.BUDGET_FRACTION
 
 
 def test_explicit_vmem_limit_shrinks_the_blocks():
