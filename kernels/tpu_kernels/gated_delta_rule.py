@@ -98,12 +98,16 @@ Decode (`fused_recurrent_gated_delta_rule`). L tokens per sequence (L small: 1 i
 decode), a batch of N per-sequence states. Grid (N, Hv / heads_per_step), both
 "parallel"; the state block (heads_per_step * K, V) is read once and written once per
 call, aliased input -> output (`input_output_aliases`), so a caller that donates the
-state updates it in place. exp(g) and beta are scalar-prefetched; the update runs on the
-vector unit (per token and head: S^T k and S^T q in one pass over S, then
-S <- exp(g) S + k delta^T, o = exp(g) S^T q + (q . k) delta), q and k made into columns by
-an in-kernel transpose of each token's (key heads, K) rows. Its VJP is the chunked
-backward (the same function on the same inputs). Packed decode (cu_seqlens) re-packs to
-[N, max_seqlen] (static) with beta = 0, g = 0 padding.
+state updates it in place. q, k, v and o are viewed as [N, heads * L, D] (rows (head,
+token): at L = 1 a free view of the caller's [N, 1, H, D]); g and beta go in as their
+[N, L, Hv] rows, each head's value picked by a lane select (no XLA op on them: scalar
+tables prefetched from XLA's output lived in VMEM, where libtpu's v5e estimator aborts).
+The update runs on the vector unit (per token and head: S^T k and S^T q in one pass over
+S, then S <- exp(g) S + k delta^T, o = exp(g) S^T q + (q . k) delta; the MXU would reload
+S as weights for every token), q and k made into columns by one in-kernel transpose of
+the block. Its VJP is the chunked backward (the same function on the same inputs).
+Packed decode (cu_seqlens) re-packs to [N, max_seqlen] (static) with beta = 0, g = 0
+padding.
 
 VMEM. Blocks are double-buffered: per chunk step about 2 x (q, k, v, o, dO, dq, dk, dv
 blocks of C rows) + 2-4 state blocks (heads_per_step K x V float32) + the scratch, plus
@@ -179,15 +183,17 @@ def _chunk_plan(heads: int, group: int, k_dim: int, v_dim: int, itemsize: int) -
   return total
 
 
-def _decode_plan(heads: int, kh_rows: int, tokens: int, k_dim: int, v_dim: int,
+def _decode_plan(heads: int, key_heads: int, tokens: int, k_dim: int, v_dim: int,
                  itemsize: int) -> int:
-  """VMEM of the decode kernel for `heads` value heads per step: state in and out blocks
-  (double-buffered), q, k, v, o blocks, and a few (K, V) float32 temporaries per head."""
-  rows = vmem.round_up(tokens, 8)
+  """VMEM of the decode kernel for `heads` value heads (`key_heads` key heads) per step:
+  state in and out blocks, q, k, v, o blocks (all double-buffered), the float32 copies and
+  transposes of q, k, v, and a few (K, V) float32 temporaries."""
+  qk_rows = vmem.round_up(key_heads * tokens, 8)
+  v_rows = vmem.round_up(heads * tokens, 8)
   total = 2 * 2 * heads * k_dim * v_dim * 4
-  total += 2 * 2 * tokens * kh_rows * k_dim * max(itemsize, 4)
-  total += 2 * 2 * rows * heads * v_dim * max(itemsize, 4)
-  total += 4 * k_dim * v_dim * 4 + heads * tokens * 8 * v_dim * 4
+  total += 2 * 2 * qk_rows * k_dim * itemsize + 2 * 2 * v_rows * v_dim * itemsize
+  total += 2 * (qk_rows * k_dim + k_dim * vmem.lane_padded(qk_rows)) * 4 + 2 * v_rows * v_dim * 4
+  total += 4 * k_dim * v_dim * 4
   return total
 
 
@@ -240,23 +246,33 @@ def gdn_tiling(num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, *, dt
 def decode_tiling(num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, tokens: int, *,
                   dtype, chip: str = chips.DEFAULT_CHIP, heads_per_step: int | None = None,
                   vmem_limit_bytes: int | None = None) -> Tiling:
-  """Tiles of the decode kernel: value heads per step (a multiple of G dividing Hv, with
-  heads x tokens <= 64 unrolled bodies), the largest whose plan fits half the limit."""
+  """Tiles of the decode kernel: value heads per step, a multiple of G dividing Hv whose
+  q / k and v / o blocks ((key) heads x tokens rows) are whole 8-row tiles (or all heads;
+  Mosaic takes 8-row bf16 blocks too: v5e's 16 heads of Qwen3.5 compile so), with heads x
+  tokens <= 64 unrolled bodies when possible: the largest whose plan fits half the limit
+  (all heads, with the limit raised, when none does)."""
   chip_ = chips.get_chip(chip)
   group = num_v_heads // num_k_heads
   itemsize = np.dtype(dtype).itemsize
-  cands = [h for h in _divisors(num_v_heads) if h % group == 0]
+  sub = 8
+
+  def legal(h):
+    return (h % group == 0 and (h == num_v_heads or (h * tokens % sub == 0
+                                                     and h // group * tokens % sub == 0)))
+
+  cands = [h for h in _divisors(num_v_heads) if legal(h)]
   if heads_per_step is not None:
     if heads_per_step not in cands:
       raise ValueError(f"heads_per_step must be a multiple of Hv / Hk = {group} dividing "
-                       f"Hv = {num_v_heads}, got {heads_per_step!r}")
+                       f"Hv = {num_v_heads} (and, below Hv, a whole number of {sub}-row "
+                       f"tiles of q and v rows per step), got {heads_per_step!r}")
     cands = [heads_per_step]
   else:
-    cands = sorted((h for h in cands if h * tokens <= _MAX_DECODE_BODIES), reverse=True)
-    cands = cands or [group]
+    cands = sorted(cands, reverse=True)
+    cands = [h for h in cands if h * tokens <= _MAX_DECODE_BODIES] or cands[-1:]
 
   def plan(h):
-    return _decode_plan(h, vmem.round_up(h // group, 8), tokens, k_dim, v_dim, itemsize)
+    return _decode_plan(h, h // group, tokens, k_dim, v_dim, itemsize)
 
   h, limit, need = _fit(cands, plan, chip_, vmem_limit_bytes, "the recurrent gated delta rule")
   return Tiling(h, limit, need)
@@ -978,7 +994,6 @@ class _DecodeStatic:
   k_dim: int
   v_dim: int
   heads: int              # value heads per step
-  kh_rows: int            # key heads per step, padded to 8 rows
   scale: float
   l2norm: bool
   vmem_limit_bytes: int
@@ -989,88 +1004,92 @@ class _DecodeStatic:
     return self.num_v_heads // self.num_k_heads
 
   @property
+  def key_heads(self):    # key heads per step
+    return self.heads // self.group
+
+  @property
   def head_blocks(self):
     return self.num_v_heads // self.heads
 
 
-def _decode_kernel(decay_ref, beta_ref, q_ref, k_ref, v_ref, s_ref, o_ref, s_out_ref, *,
+def _decode_kernel(g_ref, beta_ref, q_ref, k_ref, v_ref, s_ref, o_ref, s_out_ref, *,
                    st: _DecodeStatic):
-  n, j = pl.program_id(0), pl.program_id(1)
-  kd, vd, rows = st.k_dim, st.v_dim, st.kh_rows
-  v_all = v_ref[...].astype(jnp.float32)               # (L, heads * V)
-  cols = []
-  for t in range(st.tokens):
-    qt = q_ref[t * rows:(t + 1) * rows, :].astype(jnp.float32)    # (key heads, K)
-    kt = k_ref[t * rows:(t + 1) * rows, :].astype(jnp.float32)
+  j = pl.program_id(1)
+  kd, tokens = st.k_dim, st.tokens
+  g_all = g_ref[...].astype(jnp.float32)                # (L, Hv)
+  beta_all = beta_ref[...].astype(jnp.float32)
+  lane = _iota((1, st.num_v_heads), 1)
+
+  def pick(rows, t, h):   # rows[t, h] as a (1, 1) value (h traced: lanes, not a slice)
+    return jnp.sum(jnp.where(lane == h, rows[t:t + 1, :], 0.0), axis=1, keepdims=True)
+
+  def columns(ref):
+    """The block's rows (key head, token) as float32 columns (K, rows), normalised."""
+    x = ref[...].astype(jnp.float32)
     if st.l2norm:
-      qt, _ = _l2norm(qt)
-      kt, _ = _l2norm(kt)
-    cols.append(((qt * st.scale).T, kt.T))                        # (K, key heads)
+      x, _ = _l2norm(x)
+    pad = vmem.round_up(x.shape[0], 8) - x.shape[0]
+    if pad:
+      x = jnp.concatenate([x, jnp.zeros((pad, kd), jnp.float32)], axis=0)
+    return x.T
+
+  q_cols, k_cols = columns(q_ref) * st.scale, columns(k_ref)
+  v_all = v_ref[...].astype(jnp.float32)                # (heads * L, V), rows (head, token)
+  outs = []
   for r in range(st.heads):
-    kk_i = r // st.group
     s = s_ref[r * kd:(r + 1) * kd, :]
-    outs = []
-    for t in range(st.tokens):
-      qt, kt = cols[t]
-      q_col, k_col = qt[:, kk_i:kk_i + 1], kt[:, kk_i:kk_i + 1]
-      idx = (n * st.tokens + t) * st.num_v_heads + j * st.heads + r
-      decay, beta = decay_ref[idx], beta_ref[idx]
+    for t in range(tokens):
+      col = (r // st.group) * tokens + t
+      q_col, k_col = q_cols[:, col:col + 1], k_cols[:, col:col + 1]
+      h = j * st.heads + r
+      decay, beta = jnp.exp(pick(g_all, t, h)), pick(beta_all, t, h)
       ks = jnp.sum(k_col * s, axis=0, keepdims=True)              # (1, V)
       qs = jnp.sum(q_col * s, axis=0, keepdims=True)
       qk = jnp.sum(q_col * k_col, axis=0, keepdims=True)          # (1, 1)
-      v_row = v_all[t:t + 1, r * vd:(r + 1) * vd]
-      delta = beta * (v_row - decay * ks)
+      delta = beta * (v_all[r * tokens + t:r * tokens + t + 1, :] - decay * ks)
       outs.append(decay * qs + qk * delta)
       s = decay * s + k_col * delta
-    o = outs[0] if st.tokens == 1 else jnp.concatenate(outs, axis=0)
-    o_ref[:, r * vd:(r + 1) * vd] = o.astype(o_ref.dtype)
     s_out_ref[r * kd:(r + 1) * kd, :] = s
+  o_ref[...] = jnp.concatenate(outs, axis=0).astype(o_ref.dtype)
 
 
-def _decode_call(qd, kd, vd, decay, beta, state, st: _DecodeStatic):
-  """qd, kd [N, nb * L * kh_rows, Kp]; vd [N, L, Hv * Vp]; decay, beta [N * L * Hv] f32;
-  state [N * Hv * Kp, Vp] f32 (aliased to the new state)."""
-  nb = st.head_blocks
-  qk_spec = pl.BlockSpec((None, st.tokens * st.kh_rows, st.k_dim),
-                         lambda n, j, *_: (n, j, 0))
-  v_spec = pl.BlockSpec((None, st.tokens, st.heads * st.v_dim), lambda n, j, *_: (n, 0, j))
-  s_spec = pl.BlockSpec((st.heads * st.k_dim, st.v_dim), lambda n, j, *_: (n * nb + j, 0))
+def _decode_call(qd, kd, vd, g, beta, state, st: _DecodeStatic):
+  """qd, kd [N, Hk * L, Kp], vd [N, Hv * L, Vp] (rows (head, token)); g (f32), beta
+  [N, L, Hv]; state [N * Hv * Kp, Vp] f32 (aliased to the new state)."""
+  nb, tokens = st.head_blocks, st.tokens
+  qk_spec = pl.BlockSpec((None, st.key_heads * tokens, st.k_dim), lambda n, j: (n, j, 0))
+  v_spec = pl.BlockSpec((None, st.heads * tokens, st.v_dim), lambda n, j: (n, j, 0))
+  gate_spec = pl.BlockSpec((None, tokens, st.num_v_heads), lambda n, j: (n, 0, 0))
+  s_spec = pl.BlockSpec((st.heads * st.k_dim, st.v_dim), lambda n, j: (n * nb + j, 0))
   return pl.pallas_call(
       functools.partial(_decode_kernel, st=st),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2,
-          grid=(st.num_seqs, nb),
-          in_specs=[qk_spec, qk_spec, v_spec, s_spec],
-          out_specs=[v_spec, s_spec]),
+      grid=(st.num_seqs, nb),
+      in_specs=[gate_spec, gate_spec, qk_spec, qk_spec, v_spec, s_spec],
+      out_specs=[v_spec, s_spec],
       out_shape=[jax.ShapeDtypeStruct(vd.shape, vd.dtype),
                  jax.ShapeDtypeStruct(state.shape, jnp.float32)],
-      input_output_aliases={5: 1},    # operands count the two prefetched tables
+      input_output_aliases={5: 1},
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
                                            vmem_limit_bytes=st.vmem_limit_bytes),
       interpret=st.interpret,
       name=DECODE_KERNEL,
-  )(decay, beta, qd, kd, vd, state)
+  )(g, beta, qd, kd, vd, state)
 
 
 def _decode_forward(q, k, v, g, beta, h0, st: _DecodeStatic, k_dim: int, v_dim: int):
   """The decode kernel on [N, L, ...] inputs (unpadded dims), h0 [N, Hv, K, V] f32."""
-  n, l = q.shape[:2]
-  hv = v.shape[2]
+  n, tokens = q.shape[:2]
+  hk, hv = q.shape[2], v.shape[2]
   kp, vp = st.k_dim, st.v_dim
-  kb = st.heads // st.group           # key heads per step
 
-  def qk_rows(x):   # [N, L, Hk, K] -> [N, nb * L * kh_rows, Kp], rows (block, token, head)
-    x = _pad_last(x, kp).reshape(n, l, st.head_blocks, kb, kp).transpose(0, 2, 1, 3, 4)
-    x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, st.kh_rows - kb), (0, 0)))
-    return x.reshape(n, st.head_blocks * l * st.kh_rows, kp)
+  def rows(x, heads, to):   # [N, L, H, D] -> [N, H * L, Dp], rows (head, token): a free
+    x = _pad_last(x, to).transpose(0, 2, 1, 3)   # view at L = 1 and D = Dp
+    return x.reshape(n, heads * tokens, to)
 
-  vd = _pad_last(v, vp).reshape(n, l, hv * vp)
   state = jnp.pad(_pad_last(h0, vp), ((0, 0), (0, 0), (0, kp - k_dim), (0, 0)))
   state = state.reshape(n * hv * kp, vp)
-  decay = jnp.exp(g.astype(jnp.float32)).reshape(-1)
-  o, s = _decode_call(qk_rows(q), qk_rows(k), vd, decay, beta.astype(jnp.float32).reshape(-1),
-                      state, st)
-  o = o.reshape(n, l, hv, vp)[..., :v_dim]
+  o, s = _decode_call(rows(q, hk, kp), rows(k, hk, kp), rows(v, hv, vp), g, beta, state, st)
+  o = o.reshape(n, hv, tokens, vp).transpose(0, 2, 1, 3)[..., :v_dim]   # free at L = 1
   s = s.reshape(n, hv, kp, vp)[:, :, :k_dim, :v_dim]
   return o, s
 
@@ -1148,11 +1167,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None,
   kp, vp = vmem.round_up(k_dim, _LANES), vmem.round_up(v_dim, _LANES)
   t = decode_tiling(num_k_heads, num_v_heads, kp, vp, tokens, dtype=q.dtype, chip=chip,
                     heads_per_step=heads_per_step, vmem_limit_bytes=vmem_limit_bytes)
-  group = num_v_heads // num_k_heads
   st = _DecodeStatic(num_seqs=num_states, tokens=tokens, num_k_heads=num_k_heads,
                      num_v_heads=num_v_heads, k_dim=kp, v_dim=vp, heads=t.heads_per_step,
-                     kh_rows=vmem.round_up(t.heads_per_step // group, 8), scale=scale,
-                     l2norm=bool(use_qk_l2norm_in_kernel), vmem_limit_bytes=t.vmem_limit_bytes,
+                     scale=scale, l2norm=bool(use_qk_l2norm_in_kernel), vmem_limit_bytes=t.vmem_limit_bytes,
                      interpret=bool(interpret))
   h0 = (jnp.zeros((num_states, num_v_heads, k_dim, v_dim), jnp.float32)
         if initial_state is None else initial_state)
