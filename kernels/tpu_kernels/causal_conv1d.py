@@ -67,14 +67,31 @@ not a multiple of the block) are clipped by Pallas; rows past T may hold garbage
 backward selects (never multiplies) them away. Any T >= 1 and D >= 1 work; widths 1 to
 MAX_WIDTH (Transformers' families use 2 to 7).
 
-Tiles. block_d is the whole D up to MAX_BLOCK_D lanes, else MAX_BLOCK_D (a multiple of 128);
-block_t the largest multiple of the halo that fits the chip's VMEM budget (`vmem.py`),
-counting double-buffered blocks and f32 temporaries, capped at MAX_BLOCK_T. The update
-takes as many batch rows per step as fit, up to MAX_BLOCK_B.
+Tiles. block_t is the largest multiple of the halo (of 128 rows from 128 on) that fits the
+chip's VMEM budget (`vmem.py`: double-buffered blocks plus the f32 temporaries), capped at
+MAX_BLOCK_T; block_d the whole D up to MAX_BLOCK_D lanes, else MAX_BLOCK_D, halved (down to
+128) while that keeps block_t under PREFERRED_BLOCK_T. At Qwen3.5-9B's prefill (T 4096, D
+8192, bf16): forward 256 x 2048 (v6e) / 256 x 1024 (v5e), backward 256 x 1024 / 256 x 512,
+all under the chips' default scoped limits. The update takes as many batch rows per step
+as fit, up to MAX_BLOCK_B (batch-64 decode: 16 rows x 2048 channels on v6e, 16 x 1024 on
+v5e).
 
 Dtypes: x, weight, bias and conv_state are float32 or bfloat16 (each its own; bias must
 match the weight, as F.conv1d requires). float64, float16 and integer inputs are refused,
 never silently cast.
+
+API (JAX; `chip` and every keyword but cu_seqlens / seq_idx are static):
+
+  causal_conv1d_fn(x, weight, bias=None, activation=None, *, cu_seqlens=None, seq_idx=None,
+                   channels_last=False, chip, block_t, block_d, vmem_limit_bytes, interpret)
+      -> out, differentiable in x, weight, bias (custom VJP, Pallas backward).
+  causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, *, chip, block_b,
+                       block_d, vmem_limit_bytes, interpret) -> (out, new_conv_state),
+      the state aliased in the kernel (donate it); no gradient.
+  conv_state_from_prefill(x, state_len) -> the state Transformers' cache keeps after a
+      first prefill (the last S inputs, zero-padded).
+  conv1d_forward / conv1d_backward / conv1d_update: the kernels, channels-last; and
+  forward_tiling / backward_tiling / update_tiling: their tiles and VMEM plans.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ Qwen3.5-9B's Gated DeltaNet layer: conv over D = key_dim * 2 + value_dim = 16*12
 (T * 32 rows, 128), SiLU gate. Programs: prefill / training at batch 1, T = 4096
 (forward, backward; packed by cu_seqlens too), decode at batch 64 (the update, state
 [64, 8192, 4]), the gated norm's forward and backward at T = 4096 (131,072 rows).
+Qwen3-Next-80B's defaults (16 / 32 heads of 128, width 4) give the same shapes.
 
 Checked per program: it compiles; it holds exactly the one Mosaic kernel expected; the
 kernel compiled under the scoped-VMEM limit its tiling asked for, within the chip's

@@ -312,6 +312,18 @@ def test_reference_gradients_match_finite_differences():
     np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_plain_xla_baseline_matches_reference(dtype):
+  """causal_conv1d_reference (the benchmarks' XLA baseline) computes the same conv."""
+  rng = np.random.default_rng(7)
+  x = _array(rng, (2, 50, 33), dtype)
+  w = _array(rng, (50, 4), dtype, 0.5)
+  b = _array(rng, (50,), dtype, 0.5)
+  expected, _, scale = rl.causal_conv1d(x, w, b, "silu")
+  ref.assert_close(K.causal_conv1d_reference(x, w, b, "silu"), expected,
+                   rl.CONV_TOLERANCE[dtype], "baseline", scale)
+
+
 def test_zero_sizes():
   w = jnp.ones((8, 4), jnp.float32)
   assert K.causal_conv1d_fn(jnp.zeros((0, 8, 5)), w, interpret=True).shape == (0, 8, 5)

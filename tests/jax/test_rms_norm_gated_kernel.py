@@ -108,6 +108,18 @@ def test_transformers_roundings_are_kept():
   assert not np.array_equal(np.asarray(rounded), np.asarray(strict))
 
 
+@pytest.mark.parametrize("norm_in_input_dtype", [True, False])
+def test_plain_xla_baseline_matches_reference(norm_in_input_dtype):
+  """rms_norm_gated_reference (the benchmarks' XLA baseline) computes the same norm."""
+  p = dict(shape=(20, 128), x_dtype="bfloat16", gate_dtype="bfloat16", w_dtype="float32",
+           seed=8)
+  x, gate, w, _ = _arrays(p)
+  expected, scale = rl.rms_norm_gated(x, gate, w, 1e-6, "sigmoid", norm_in_input_dtype)
+  out = K.rms_norm_gated_reference(x, gate, w, activation="sigmoid",
+                                   norm_in_input_dtype=norm_in_input_dtype)
+  ref.assert_close(out, expected, ref.TOLERANCE["bfloat16"], "baseline", scale)
+
+
 def test_reference_gradients_match_finite_differences():
   """The reference's Jacobian gradients against central differences of its forward (f64)."""
   rng = np.random.default_rng(2)
