@@ -132,6 +132,32 @@ def program_ops(hlo_text):
   return ops
 
 
+ODD_PROGRAMS = {
+    # (T not a multiple of anything, D not of 128, LFM3's width 7, packed, with bias)
+    "bwd_packed_T300_D200_W7_bf16": (
+        lambda chip: lambda x, w, b, cu, g: jax.vjp(
+            lambda a, c, d: _conv(chip)(a, c, d, cu_seqlens=cu), x, w, b)[1](g),
+        [S((1, 300, 200), BF16), S((200, 7), BF16), S((200,), BF16), S((5,), jnp.int32),
+         S((1, 300, 200), BF16)]),
+    "fwd_T4097_D1000_W3_f32": (
+        lambda chip: _conv(chip),
+        [S((2, 4097, 1000), jnp.float32), S((1000, 3), jnp.float32)]),
+    "update_B7_T2_S6_D200_bf16": (
+        lambda chip: functools.partial(C.causal_conv1d_update, activation="silu", chip=chip),
+        [S((7, 200, 2), BF16), S((7, 200, 6), BF16), S((200, 4), BF16), S((200,), BF16)]),
+}
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+@pytest.mark.parametrize("name", list(ODD_PROGRAMS))
+def test_odd_shapes_compile(name, chip):
+  """Shapes no model has: partial T / D / batch blocks and unaligned widths pass Mosaic."""
+  make, specs = ODD_PROGRAMS[name]
+  report = aot.compile_for_chip(make(chip), specs, chip)
+  assert report.ok, f"{name} on {chip}: {report.error}"
+  assert report.num_kernels == 1, report.kernel_names
+
+
 def test_default_scoped_vmem_limits():
   """The limits the tilings ask for at these shapes are the chips' defaults (nothing
   raised), so the compiles above ran under 16 MiB on v5e and 32 MiB on v6e."""
