@@ -75,25 +75,31 @@ def _layout(rng, kv_lens, page_size, pages_per_seq, share, repeat, spare_pages=2
   return table.astype(np.int32), num_pages, used
 
 
-def _cache(rng, kv_dtype, num_kv_heads, num_pages, page_size, head_dim, used):
+def _cache(rng, kv_dtype, num_kv_heads, num_pages, page_size, head_dim, used,
+           uniform=False, fp8_raw=False):
   """One cache [num_pages, Hkv, page_size, D]: unit-scale values (times 1/scale for
-  quantized caches) in used slots, NaN (int8: -128 / 127) elsewhere."""
+  quantized caches) in used slots, NaN (int8: -128 / 127) elsewhere. Unit normal, or
+  uniform in [0, 1) (int8 codes 0..127); fp8_raw: e4m3 values of that unit scale
+  themselves (scale 1.0), as the peers' fp8 caches without scales."""
   shape = (num_pages, num_kv_heads, page_size, head_dim)
   mask = np.broadcast_to(used[:, None, :, None], shape)
   if kv_dtype == "int8":
-    values = rng.integers(-127, 128, shape).astype(np.int8)
+    values = rng.integers(0 if uniform else -127, 128, shape).astype(np.int8)
     junk = rng.choice(np.array([-128, 127], np.int8), shape)
     return np.where(mask, values, junk)
-  values = rng.standard_normal(shape)
-  if kv_dtype == "float8_e4m3fn":
+  values = rng.random(shape) if uniform else rng.standard_normal(shape)
+  if kv_dtype == "float8_e4m3fn" and not fp8_raw:
     values = values * 40.0
   return np.where(mask, values, np.nan).astype(NP[kv_dtype])
 
 
 def _scale(rng, kind, num_kv_heads, kv_dtype):
-  """A scale that brings the cache to ~unit scale: python float, 0-d or [Hkv] array."""
+  """A scale that brings the cache to ~unit scale: python float, 0-d or [Hkv] array
+  ("raw": 1.0, for an fp8 cache of unit-scale values)."""
   if kind is None:
     return None
+  if kind == "raw":
+    return 1.0
   base = {"int8": 1 / 60, "float8_e4m3fn": 1 / 40}[kv_dtype]
   if kind == "per_head":
     return (base * rng.uniform(0.5, 2.0, num_kv_heads)).astype(np.float32)
@@ -115,12 +121,14 @@ def _inputs(p):
                                    p["share"], p["repeat"])
   num_q_heads = p["num_kv_heads"] * p["group"]
   kv_dtype = p["dtype"] if p["kv_dtype"] == "same" else p["kv_dtype"]
+  uniform = p.get("data") == "uniform"
   caches = [_cache(rng, kv_dtype, p["num_kv_heads"], num_pages, page_size, p["head_dim"],
-                   used) for _ in range(2)]
+                   used, uniform, fp8_raw=p["scale"] == "raw") for _ in range(2)]
   quant = kv_dtype in ref.QUANTIZED_KV_DTYPES
   scales = [_scale(rng, p["scale"] if quant else None, p["num_kv_heads"], kv_dtype)
             for _ in range(2)]
-  q = rng.standard_normal((num_tokens, num_q_heads, p["head_dim"])).astype(NP[p["dtype"]])
+  draw = rng.random if uniform else rng.standard_normal
+  q = draw((num_tokens, num_q_heads, p["head_dim"])).astype(NP[p["dtype"]])
   sinks = None
   if p["sinks"] is not None:
     sinks = (2.0 * rng.standard_normal(num_q_heads)).astype(np.float32)
@@ -322,6 +330,25 @@ def test_page_sizes_and_head_dims(page_size, head_dim, dtype, kv_dtype):
                dtype=dtype, kv_dtype=kv_dtype, sliding_window=page_size // 2 + 1,
                soft_cap=30.0, sinks="normal", seed=page_size + head_dim)
   x = _inputs(p)
+  _check(p, x, _run(p, x))
+
+
+@pytest.mark.parametrize("dtype, kv_dtype, scale, pages_per_step", [
+    ("float32", "same", None, None), ("bfloat16", "int8", "per_head", 1),
+    ("float32", "float8_e4m3fn", "raw", None), ("bfloat16", "float8_e4m3fn", "raw", 1)])
+def test_peer_style_inputs_match_reference(dtype, kv_dtype, scale, pages_per_step):
+  """The peers' kinds of test data (jax's and tpu-inference's ragged paged attention
+  tests): uniform [0, 1) q and caches with unscaled logits (sm_scale 1: logits ~D / 4,
+  rows close to one-hot), an fp8 cache of raw e4m3 values (scale 1.0: the peers' fp8
+  cache without scales) or with per-head scales, NaN in every unused cache slot and in
+  the padding query rows past cu_q_lens[-1] (which must come out exactly 0): within
+  q's dtype's tolerance, at the default tiling or at one page per kv step."""
+  p = _problem(data="uniform", dtype=dtype, kv_dtype=kv_dtype, scale=scale, sm_scale=1.0,
+               kv_lens=[1, 40, 130, 17, 0], q_lens=[1, 40, 30, 1, 0], head_dim=128,
+               group=4, seed=61)
+  p["block_kv"] = pages_per_step and pages_per_step * p["page_size"]
+  x = _inputs(p)
+  x["q"][int(x["cu_q_lens"][-1]):] = np.nan
   _check(p, x, _run(p, x))
 
 

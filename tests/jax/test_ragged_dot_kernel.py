@@ -61,12 +61,16 @@ def problems(draw, gated=False):
 
 
 def _inputs(p):
+  """(lhs, rhs, scale, bias): unit normal lhs and bias, weights scaled by 1 / sqrt(k); or,
+  with p["data"] == "uniform", all uniform in [0, 1) and unscaled (the peers' test data)."""
   rng = np.random.default_rng(p["seed"])
+  uniform = p.get("data") == "uniform"
+  draw = rng.random if uniform else rng.standard_normal
   dt = NP[p["dtype"]]
-  lhs = rng.standard_normal((p["m"], p["k"])).astype(dt)
+  lhs = draw((p["m"], p["k"])).astype(dt)
   wshape = ((p["num_local"], p["n"], p["k"]) if p["transpose_rhs"]
             else (p["num_local"], p["k"], p["n"]))
-  rhs = (rng.standard_normal(wshape) / np.sqrt(p["k"])).astype(np.float32)
+  rhs = (draw(wshape) / (1.0 if uniform else np.sqrt(p["k"]))).astype(np.float32)
   scale = None
   if p["quant"]:
     qdtype, qmax = QUANT[p["quant"]]
@@ -77,7 +81,7 @@ def _inputs(p):
     rhs = np.round(q).astype(np.int8) if p["quant"] == "int8" else q.astype(ml_dtypes.float8_e4m3fn)
   else:
     rhs = rhs.astype(dt)
-  bias = (0.5 * rng.standard_normal((p["num_local"], p["n"]))).astype(dt) if p["bias"] else None
+  bias = (0.5 * draw((p["num_local"], p["n"]))).astype(dt) if p["bias"] else None
   return lhs, rhs, scale, bias
 
 
@@ -269,6 +273,41 @@ def test_gradients_match_reference(p, gated):
   for i, g in zip(argnums, grads):
     assert g.dtype == args[i].dtype
     ref.assert_close(g, expected[i], tol, f"grad {['lhs', 'rhs', 'bias'][i]} {p}")
+
+
+@pytest.mark.parametrize("dtype, quant, activation, gated", [
+    ("float32", None, "silu", True), ("bfloat16", "int8", "silu", True),
+    ("bfloat16", "float8_e4m3fn", "gelu_tanh", False)])
+def test_peer_style_inputs_match_reference(dtype, quant, activation, gated):
+  """The peers' kinds of test data (tokamax's and tpu-inference's grouped-matmul tests):
+  uniform [0, 1) lhs, weights and bias, unscaled, with k = 1024 (outputs ~k / 4), a
+  zero-sized local group, and NaN in every row of no local group (another shard's group,
+  rows past sum(group_sizes)): forward and gradients within RAGGED_TOLERANCE /
+  RAGGED_GRAD_TOLERANCE, and those rows exactly 0 in the output and in d_lhs."""
+  sizes = np.array([7, 9, 0, 20, 4], np.int32)     # offset 1: 3 local groups, sum 40 < m 48
+  p = dict(m=48, sizes=sizes, offset=1, num_local=3, k=1024, n=256 if gated else 200,
+           dtype=dtype, transpose_rhs=False, quant=quant, bias=True, block_m=16,
+           block_k=None, block_n=None, chip="v6e", seed=61, data="uniform",
+           activation=activation, **({"layout": "concatenated"} if gated else {}))
+  lhs, rhs, scale, bias = _inputs(p)
+  elsewhere = ref.local_row_groups(sizes, 1, 3, 48) >= 3
+  lhs_nan = lhs.copy()
+  lhs_nan[elsewhere] = np.nan
+  fn = _call(p, lhs, rhs, scale, bias)
+  args = [jnp.asarray(lhs_nan), jnp.asarray(rhs), jnp.asarray(bias)]
+  out = np.asarray(fn(*args))
+  kw = _reference(p, lhs, rhs, scale, bias)
+  ref.assert_close(out, ref.ragged_dot(lhs, rhs, sizes, **kw), ref.RAGGED_TOLERANCE[dtype],
+                   "out")
+  assert not out.astype(np.float64)[elsewhere].any()
+  grad_out = np.random.default_rng(62).random(out.shape).astype(NP[dtype])
+  argnums = (0, 2) if quant else (0, 1, 2)
+  loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * jnp.asarray(grad_out, jnp.float32))
+  grads = dict(zip(argnums, jax.grad(loss, argnums)(*args)))
+  want = dict(enumerate(ref.ragged_dot_grads(lhs, rhs, sizes, grad_out, **kw)))
+  for i, g in grads.items():
+    ref.assert_close(g, want[i], ref.RAGGED_GRAD_TOLERANCE[dtype], ["lhs", "rhs", "bias"][i])
+  assert not np.asarray(grads[0], np.float64)[elsewhere].any()
 
 
 @pytest.mark.parametrize("in_f32", [False, True])

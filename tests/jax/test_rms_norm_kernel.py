@@ -121,6 +121,34 @@ def test_fused_gradients_match_reference(p, used):
   ref.assert_close(dw, dw_ref, ref.GRAD_TOLERANCE[p["weight_dtype"]], "dweight", dw_scale)
 
 
+@pytest.mark.parametrize("dtype, offset", [("float32", 0.0), ("bfloat16", 1.0),
+                                           ("float16", 0.0)])
+def test_peer_style_inputs_match_reference(dtype, offset):
+  """Uniform [0, 1) x, residual, weight and dout (the peers' kind of test data; all
+  positive, so each row of dx is a difference of terms of one sign): the plain and fused
+  forms, forward and gradients, within the stated tolerances."""
+  rng = np.random.default_rng(61)
+  x, residual, w, g = (jnp.asarray(rng.random(shape).astype(ref.NP_DTYPES[dtype]))
+                       for shape in ((37, 1000), (37, 1000), (1000,), (37, 1000)))
+  eps = 1e-6
+  (out, res_out), vjp = jax.vjp(
+      lambda a, r, b: K.fused_add_rms_norm(a, r, b, eps=eps, offset=offset, interpret=True),
+      x, residual, w)
+  s = ref.residual_sum(x, residual, dtype)
+  ref.assert_close(out, ref.rms_norm(s, w, eps, offset), ref.TOLERANCE[dtype], "fused out")
+  dx, _, dw = vjp((g, jnp.zeros_like(g)))
+  ds_ref, dw_ref, ds_scale, dw_scale = ref.rms_norm_grads(s, w, g, eps, offset)
+  ref.assert_close(dx, ds_ref, ref.GRAD_TOLERANCE[dtype], "fused dx", ds_scale)
+  ref.assert_close(dw, dw_ref, ref.GRAD_TOLERANCE[dtype], "fused dweight", dw_scale)
+  out, vjp = jax.vjp(lambda a, b: K.rms_norm(a, b, eps=eps, offset=offset, interpret=True),
+                     x, w)
+  ref.assert_close(out, ref.rms_norm(x, w, eps, offset), ref.TOLERANCE[dtype], "out")
+  dx, dw = vjp(g)
+  dx_ref, dw_ref, dx_scale, dw_scale = ref.rms_norm_grads(x, w, g, eps, offset)
+  ref.assert_close(dx, dx_ref, ref.GRAD_TOLERANCE[dtype], "dx", dx_scale)
+  ref.assert_close(dw, dw_ref, ref.GRAD_TOLERANCE[dtype], "dweight", dw_scale)
+
+
 def test_garbage_in_partial_block_does_not_reach_weight_gradient():
   """Rows past the end of a partial last block must not leak into dweight (even as NaN)."""
   rng = np.random.default_rng(0)
