@@ -134,3 +134,23 @@ def paged(local_kernels_env, repo_id):
 @pytest.fixture(scope="session")
 def paged_ops(paged):
   return _custom_ops(paged)
+
+
+@pytest.fixture(scope="session")
+def gdn(local_kernels_env, repo_id):
+  return _get_kernel(repo_id, "gated-delta-rule-tpu")
+
+
+@pytest.fixture(scope="session")
+def gdn_ops(gdn):
+  return _custom_ops(gdn)
+
+
+@pytest.fixture(scope="session")
+def conv(local_kernels_env, repo_id):
+  return _get_kernel(repo_id, "causal-conv1d-tpu")
+
+
+@pytest.fixture(scope="session")
+def conv_ops(conv):
+  return _custom_ops(conv)

@@ -24,7 +24,8 @@ def _ready(manifest):
 
 def test_manifest_lists_the_collection(manifest):
   assert set(manifest["kernel"]) == {"rms-norm-tpu", "ragged-dot-tpu", "flash-attention-tpu",
-                                     "paged-attention-tpu"}
+                                     "paged-attention-tpu", "gated-delta-rule-tpu",
+                                     "causal-conv1d-tpu"}
   assert manifest["collection"]["hub-org"]
   for name, kernel in manifest["kernel"].items():
     assert isinstance(kernel["version"], int) and kernel["version"] >= 1, name

@@ -7,9 +7,12 @@ Ops, in the namespace of this build (`_ops.NAMESPACE`, unique per kernel and ver
   rms_norm_backward(x, weight, grad_out, eps, offset) -> (grad_x, grad_weight)
   fused_add_rms_norm_backward(residual_out, weight, grad_out, grad_residual, eps, offset)
       -> (grad_sum, grad_weight)          grad_sum reaches both x and residual
+  rms_norm_gated(x, gate, weight, eps, activation, norm_in_input_dtype) -> out
+  rms_norm_gated_backward(x, gate, weight, grad_out, eps, activation, norm_in_input_dtype)
+      -> (grad_x, grad_gate, grad_weight)
 
-out has dtype promote(x, weight); residual_out has x's dtype. The forward ops are
-differentiable through the backward ops (first order only).
+out has dtype promote(x, weight) (rms_norm_gated: x's dtype); residual_out has x's dtype.
+The forward ops are differentiable through the backward ops (first order only).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ _forward = _jax_kernel("rms_norm", "rms_norm_forward")
 _fused_forward = _jax_kernel("fused_add_rms_norm", "fused_add_rms_norm_forward")
 _backward = _jax_kernel("rms_norm_backward", "rms_norm_backward")
 _fused_backward = _jax_kernel("fused_add_rms_norm_backward", "fused_add_rms_norm_backward")
+_gated_forward = _jax_kernel("rms_norm_gated", "rms_norm_gated_forward")
+_gated_backward = _jax_kernel("rms_norm_gated_backward", "rms_norm_gated_backward")
 
 
 # ----------------------------------------------------------------------------- backward ops
@@ -135,3 +140,55 @@ rms_norm_op = _shim.custom_op_once(add_op_namespace_prefix("rms_norm"), _forward
                                    setup=_setup_forward)
 fused_add_rms_norm_op = _shim.custom_op_once(add_op_namespace_prefix("fused_add_rms_norm"),
                                              _fused_forward_impl, setup=_setup_fused_forward)
+
+
+# ----------------------------------------------------------------------------- gated norm
+
+
+def _gated_backward_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                         grad_out: torch.Tensor, eps: float, activation: str,
+                         norm_in_input_dtype: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+  return tuple(_gated_backward({"x": x, "gate": gate, "weight": weight, "grad_out": grad_out},
+                               eps=eps, activation=activation,
+                               norm_in_input_dtype=norm_in_input_dtype))
+
+
+def _gated_backward_fake(x, gate, weight, grad_out, eps, activation, norm_in_input_dtype):
+  return torch.empty_like(x), torch.empty_like(gate), torch.empty_like(weight)
+
+
+rms_norm_gated_backward_op = _shim.custom_op_once(
+    add_op_namespace_prefix("rms_norm_gated_backward"), _gated_backward_impl,
+    setup=lambda op: op.register_fake(_gated_backward_fake))
+
+
+def _gated_forward_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                        activation: str, norm_in_input_dtype: bool) -> torch.Tensor:
+  return _gated_forward({"x": x, "gate": gate, "weight": weight}, eps=eps,
+                        activation=activation, norm_in_input_dtype=norm_in_input_dtype)
+
+
+def _gated_forward_fake(x, gate, weight, eps, activation, norm_in_input_dtype):
+  return torch.empty_like(x)
+
+
+def _gated_setup_context(ctx, inputs, output):
+  x, gate, weight, eps, activation, norm_in_input_dtype = inputs
+  ctx.save_for_backward(x, gate, weight)
+  ctx.statics = (eps, activation, norm_in_input_dtype)
+
+
+def _gated_forward_backward(ctx, grad_out):
+  x, gate, weight = ctx.saved_tensors
+  grads = rms_norm_gated_backward_op(x, gate, weight, grad_out.contiguous(), *ctx.statics)
+  return (*grads, None, None, None)
+
+
+def _setup_gated_forward(op):
+  op.register_fake(_gated_forward_fake)
+  op.register_autograd(_gated_forward_backward, setup_context=_gated_setup_context)
+
+
+rms_norm_gated_op = _shim.custom_op_once(add_op_namespace_prefix("rms_norm_gated"),
+                                         _gated_forward_impl, setup=_setup_gated_forward)

@@ -41,3 +41,27 @@ def fused_add_rms_norm_backward(residual_out: jax.Array, weight: jax.Array,
                                 interpret: bool) -> tuple[jax.Array, jax.Array]:
   return kernel.rms_norm_backward(residual_out, weight, grad_out, grad_residual,
                                   config=_config(eps, offset, chip, interpret))
+
+
+def _gated_config(eps: float, activation: str, norm_in_input_dtype: bool, chip: str,
+                  interpret: bool) -> kernel.RmsNormGatedConfig:
+  return kernel.RmsNormGatedConfig(eps=eps, activation=activation,
+                                   norm_in_input_dtype=norm_in_input_dtype, chip=chip,
+                                   interpret=interpret)
+
+
+def rms_norm_gated_forward(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float,
+                           activation: str, norm_in_input_dtype: bool, chip: str,
+                           interpret: bool) -> jax.Array:
+  return kernel.rms_norm_gated_forward(
+      x, gate, weight,
+      config=_gated_config(eps, activation, norm_in_input_dtype, chip, interpret))
+
+
+def rms_norm_gated_backward(x: jax.Array, gate: jax.Array, weight: jax.Array,
+                            grad_out: jax.Array, eps: float, activation: str,
+                            norm_in_input_dtype: bool, chip: str,
+                            interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+  return kernel.rms_norm_gated_backward(
+      x, gate, weight, grad_out,
+      config=_gated_config(eps, activation, norm_in_input_dtype, chip, interpret))

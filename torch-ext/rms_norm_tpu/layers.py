@@ -9,6 +9,11 @@ __init__ and no members beyond `has_backward` / `can_torch_compile`.
                   (gpt-oss, OLMo 2 / 3, ...)
     GemmaRMSNorm  (1 + weight) * normalised(x), output in x's dtype: Gemma's norms and
                   use_kernel_forward_from_hub("RMSNormZeroCentered") (Qwen3.5)
+    RMSNormGated  weight * normalised(x) * act(gate), output in x's dtype:
+                  use_kernel_forward_from_hub("RMSNormGated") (the linear-attention layers
+                  of Qwen3.5, Qwen3-Next, OLMo-Hybrid: SiLU; Kimi Linear, Bailing-hybrid,
+                  GLM-5-Next: sigmoid), forward(hidden_states, gate); the activation is
+                  the module's `activation` attribute (see the end of this docstring)
 
 Both read the module's `weight` and its epsilon from `variance_epsilon` or, if it has none,
 `eps` (Transformers' classes use one or the other whatever their formula); a module without
@@ -27,6 +32,16 @@ formula raises NotImplementedError naming the class (never a silent wrong result
 output takes the dtype the class's forward gives. Under
 torch.compile only the dtype is taken (from the class's forward traced on a zero row);
 run the model once eagerly to have its norms checked.
+
+RMSNormGated: the classes round in one of two ways (Qwen3.5 / Qwen3-Next / OLMo-Hybrid
+round the normalised x to x's dtype before the weight multiply; Kimi Linear /
+Bailing-hybrid / GLM-5-Next stay in float32 until the output), which differ in bfloat16
+only. The first call per (class, x dtype, gate dtype, weight dtype, device type), outside
+torch.compile, runs the class's own forward and the kernel on probe rows: in float32 with
+a probe weight (the formula and the module's activation: anything else raises
+NotImplementedError), then in the call's dtypes with the module's weight under both
+roundings, keeping the one that matches (none within rounding: NotImplementedError).
+Under torch.compile a class not yet checked takes the first rounding.
 """
 
 from __future__ import annotations
@@ -171,3 +186,109 @@ class GemmaRMSNorm(nn.Module):
   def forward(self, x: torch.Tensor) -> torch.Tensor:
     eps = _epsilon(self, "GemmaRMSNorm")
     return _forward(self, x, eps, 1.0, "GemmaRMSNorm")
+
+
+# ----------------------------------------------------------------------------- gated norm
+
+# (module class, x dtype, gate dtype, weight dtype, device type) -> norm_in_input_dtype:
+# the rounding the class's own forward matches.
+_GATED_CHECKED: dict = {}
+# Probe rows of the gated check: x at several scales (so that roundings of the normalised
+# x and of the product show), and a gate spanning the activation's curve.
+_GATED_PROBE_SCALES = (1.0, 0.37, 5.3, 1.9)
+
+
+def _gated_probe(hidden: int, dtype: torch.dtype, device: torch.device):
+  row = _probe_row(hidden, torch.float32, device)
+  x = torch.cat([row * s for s in _GATED_PROBE_SCALES]).to(dtype)
+  gate = torch.cat([torch.roll(row, shift, dims=1) * 1.3 - 0.4
+                    for shift in range(len(_GATED_PROBE_SCALES))]).to(dtype)
+  return x, gate
+
+
+def _gate_activation(module: nn.Module) -> str:
+  from . import GATE_ACTIVATIONS
+
+  activation = getattr(module, "activation", None)
+  if not isinstance(activation, str) or activation not in GATE_ACTIVATIONS:
+    raise NotImplementedError(
+        f"rms-norm-tpu layers.RMSNormGated: {type(module).__name__}'s `activation` is "
+        f"{activation!r}, not one of {sorted(GATE_ACTIVATIONS)}")
+  return activation
+
+
+def _check_gated_against_own_forward(module: nn.Module, x: torch.Tensor, gate: torch.Tensor,
+                                     eps: float, activation: str) -> bool:
+  """The rounding (norm_in_input_dtype) under which the kernel matches the module class's
+  own forward, or NotImplementedError (the module docstring's RMSNormGated check)."""
+  from . import rms_norm_gated
+
+  layer, name = "RMSNormGated", type(module).__name__
+  hidden, device = x.shape[-1], x.device
+  tolerance = _PROBE_TOLERANCE.get(x.dtype)
+  if tolerance is None:
+    raise NotImplementedError(f"rms-norm-tpu layers.{layer}: x of dtype {x.dtype}")
+  px, pg = _gated_probe(hidden, torch.float32, device)
+  weight = 0.5 + 0.25 * torch.cos(3.0 * torch.arange(hidden, dtype=torch.float32,
+                                                     device=device))
+  twin = copy.copy(module)   # shares every tensor with module; only its weight is the probe's
+  twin._parameters = dict(module._parameters, weight=nn.Parameter(weight, requires_grad=False))
+  with torch.no_grad():
+    error, scale = _probe_error(type(module).forward(twin, px, pg),
+                                rms_norm_gated(px, pg, weight, eps, activation=activation),
+                                module, layer, px)
+  if not error <= _PROBE_TOLERANCE[torch.float32] * max(scale, 1e-30):
+    raise NotImplementedError(
+        f"rms-norm-tpu layers.{layer}: {name}'s own forward is not weight * x * "
+        f"rsqrt(mean(x^2) + eps) * {activation}(gate): on float32 probe rows it differs "
+        f"from the kernel by {error:.3g} (largest output {scale:.3g}). Do not map it to "
+        f"layers.{layer}")
+  px, pg = _gated_probe(hidden, x.dtype, device)
+  pg = pg.to(gate.dtype)
+  errors = {}
+  with torch.no_grad():
+    own = type(module).forward(module, px, pg)
+    if own.dtype != x.dtype:
+      raise NotImplementedError(f"rms-norm-tpu layers.{layer}: {name}'s own forward returns "
+                                f"{own.dtype} for {x.dtype} input; the kernel returns x's dtype")
+    for norm_in_input_dtype in (True, False):
+      got = rms_norm_gated(px, pg, module.weight.detach(), eps, activation=activation,
+                           norm_in_input_dtype=norm_in_input_dtype)
+      errors[norm_in_input_dtype], scale = _probe_error(own, got, module, layer, px)
+  best = min(errors, key=lambda k: (errors[k], not k))   # a tie keeps True
+  if not errors[best] <= tolerance * max(scale, 1e-30):
+    raise NotImplementedError(
+        f"rms-norm-tpu layers.{layer}: {name}'s own forward computes the gated norm in "
+        f"float32 but differs from the kernel in {x.dtype} by {errors[best]:.3g} (largest "
+        f"output {scale:.3g}) under either rounding, more than rounding; do not map it to "
+        f"layers.{layer}")
+  return best
+
+
+class RMSNormGated(nn.Module):
+  """Transformers' "RMSNormGated": `weight * normalised(x) * act(gate)`, x and gate
+  (..., hidden), weight (hidden,), the activation in the module's `activation`, epsilon in
+  `variance_epsilon` or `eps`; output in x's dtype."""
+
+  has_backward = True
+  can_torch_compile = True
+
+  def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor = None) -> torch.Tensor:
+    from . import rms_norm_gated
+
+    eps = _epsilon(self, "RMSNormGated")
+    activation = _gate_activation(self)
+    if gate is None:
+      raise ValueError(f"rms-norm-tpu layers.RMSNormGated: {type(self).__name__} was called "
+                       f"without a gate")
+    key = (type(self), hidden_states.dtype, gate.dtype, self.weight.dtype,
+           hidden_states.device.type)
+    norm_in_input_dtype = _GATED_CHECKED.get(key)
+    if norm_in_input_dtype is None:
+      if torch.compiler.is_compiling():
+        norm_in_input_dtype = True
+      else:
+        norm_in_input_dtype = _GATED_CHECKED[key] = _check_gated_against_own_forward(
+            self, hidden_states, gate, eps, activation)
+    return rms_norm_gated(hidden_states, gate, self.weight, eps, activation=activation,
+                          norm_in_input_dtype=norm_in_input_dtype)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from .dispatch import (JaxKernel, SUPPORTED_DEVICE_TYPES, device_type_of, jax_kernels,
                        tpu_chip_name)
 from .registry import custom_op_once
-from . import validation
+from . import tensors, validation
 
 __all__ = ["JaxKernel", "SUPPORTED_DEVICE_TYPES", "custom_op_once", "device_type_of",
-           "jax_kernels", "tpu_chip_name", "validation"]
+           "jax_kernels", "tensors", "tpu_chip_name", "validation"]
