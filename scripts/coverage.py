@@ -46,11 +46,34 @@ F32_BOUND = 1e-4
 @dataclasses.dataclass
 class Family:
   """One `transformers.models.<name>` package: its imported modeling modules, and the ones
-  that failed to import (module name -> error) with whether their source mentions experts."""
+  that failed to import (module name -> error) with whether their source mentions experts.
+
+  A package with a configuration module and no modeling module (5.24+: exaone,
+  internlm3, iquestcoder, param2moe, sarvam_mla, sarvam_moe, ...) runs another family's
+  model classes (Transformers' auto mappings) built from its own config: `borrows` is that
+  family and `config_class` its own config class. The columns that build from a config
+  (attention, experts) take `model_classes`, the borrowed family's classes, and build them
+  from `config_class`; `classes` and `mentions` answer for the family's own modules only."""
 
   name: str
   modules: list = dataclasses.field(default_factory=list)
   import_errors: dict = dataclasses.field(default_factory=dict)
+  borrows: Family | None = None
+  config_class: type | None = None
+
+  def borrowed(self) -> str:
+    """What a config-only family's cell adds: whose classes ran, from which config."""
+    if self.borrows is None:
+      return ""
+    return f" ({self.borrows.name}'s classes from its own {self.config_class.__name__})"
+
+  def mentions(self, text: str) -> bool:
+    """Whether the source of one of the family's imported modeling modules contains text."""
+    return any(_source_mentions(module.__name__, text) for module in self.modules)
+
+  def model_classes(self, predicate) -> list[type]:
+    """`classes`, or for a config-only family the classes of the family it borrows."""
+    return (self.borrows or self).classes(predicate)
 
   def classes(self, predicate) -> list[type]:
     """Classes defined (not merely imported) in the family's modeling modules."""
@@ -69,10 +92,11 @@ def _source_mentions(module_name: str, text: str) -> bool:
 
 @functools.cache
 def families() -> tuple[Family, ...]:
-  """Every package of transformers.models with its modeling_* modules, imported."""
+  """Every package of transformers.models with its modeling_* modules, imported (and the
+  config-only packages that borrow another family's models, see Family)."""
   import transformers.models
 
-  out = []
+  out, config_only = [], []
   for package in sorted(pkgutil.iter_modules(transformers.models.__path__),
                         key=lambda p: p.name):
     if not package.ispkg:
@@ -90,7 +114,33 @@ def families() -> tuple[Family, ...]:
         family.import_errors[name] = f"{type(e).__name__}: {e}"
     if family.modules or family.import_errors:
       out.append(family)
-  return tuple(out)
+    else:
+      config_only.append(family)
+  for family in config_only:
+    _borrow(family, out)
+  return tuple(sorted(out, key=lambda f: f.name))
+
+
+def _borrow(family: Family, walked: list) -> None:
+  """Appends a config-only `family` to `walked` with the family whose base model class
+  Transformers maps its config to (MODEL_MAPPING_NAMES), if there is one."""
+  from transformers import PretrainedConfig
+  from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+  package = importlib.import_module(f"transformers.models.{family.name}")
+  for info in pkgutil.iter_modules(package.__path__):
+    if not info.name.startswith("configuration_"):
+      continue
+    module = importlib.import_module(f"{package.__name__}.{info.name}")
+    configs = [v for v in vars(module).values() if isinstance(v, type)
+               and issubclass(v, PretrainedConfig) and v.__module__ == module.__name__
+               and MODEL_MAPPING_NAMES.get(getattr(v, "model_type", None))]
+    for config_class in configs:
+      model_name = MODEL_MAPPING_NAMES[config_class.model_type]
+      for other in walked:
+        if any(isinstance(vars(m).get(model_name), type) for m in other.modules):
+          walked.append(dataclasses.replace(family, borrows=other, config_class=config_class))
+          return
 
 
 def family(name: str) -> Family:
@@ -160,10 +210,11 @@ class BuildError(RuntimeError):
   """A class could not be built small (the message says why, for every config tried)."""
 
 
-def build_small(cls: type, check=lambda module: None):
+def build_small(cls: type, check=lambda module: None, config_class: type | None = None):
   """An instance of `cls` from the first of its config classes that builds once shrunk,
   (module, config). Extra __init__ arguments named like sizes get the tiny sizes, a
-  `layer_idx` gets 0. `check`
+  `layer_idx` gets 0. `config_class` (a config-only family's own) is the only candidate
+  when given. `check`
   raises on an instance that is not usable (e.g. still large). Raises BuildError."""
   import torch
 
@@ -172,7 +223,7 @@ def build_small(cls: type, check=lambda module: None):
   extra = {p: _tiny_value(p) for p in params if _tiny_value(p) is not None}
   if "layer_idx" in params:   # per-layer settings (Step3p7's swiglu_limits): the first layer's
     extra["layer_idx"] = 0
-  for config_class in config_classes(cls):
+  for config_class in [config_class] if config_class else config_classes(cls):
     try:
       config = shrink_config(config_class())
       with torch.device("meta"):   # sizes first: a shrink that missed a size costs nothing
@@ -207,12 +258,13 @@ def is_experts_class(cls: type) -> bool:
 
 
 def experts_classes(fam: Family) -> list[type]:
-  return fam.classes(is_experts_class)
+  return fam.model_classes(is_experts_class)
 
 
 def all_experts_classes() -> list[tuple[str, type]]:
-  """(family name, class) of every @use_experts_implementation class, in family order."""
-  return [(f.name, cls) for f in families() for cls in experts_classes(f)]
+  """(family name, class) of every @use_experts_implementation class, once each (not again
+  for the config-only families that borrow it), in family order."""
+  return [(f.name, cls) for f in families() if f.borrows is None for cls in experts_classes(f)]
 
 
 def unimportable_experts_modules() -> dict[str, str]:
@@ -228,8 +280,9 @@ def _check_tiny_experts(module) -> None:
       raise BuildError(f"parameter {name} {tuple(p.shape)} was not shrunk")
 
 
-def build_experts(cls: type, dtype, seed: int = 0):
-  """A tiny instance of experts class `cls` with random weights, set to "eager".
+def build_experts(cls: type, dtype, seed: int = 0, config_class: type | None = None):
+  """A tiny instance of experts class `cls` with random weights, set to "eager" (from
+  `config_class` if given, see build_small).
 
   3-D expert weights ~ N(0, (2 / sqrt(fan_in))^2), 2-D (biases) ~ N(0, 0.01), 1-D (norm
   weights) ~ 1 + N(0, 0.01). Raises BuildError.
@@ -237,7 +290,7 @@ def build_experts(cls: type, dtype, seed: int = 0):
   import torch
 
   torch.manual_seed(seed)
-  module, config = build_small(cls, _check_tiny_experts)
+  module, config = build_small(cls, _check_tiny_experts, config_class)
   with torch.no_grad():
     for p in module.parameters():
       if p.dim() == 3:
@@ -448,7 +501,7 @@ def experts_cell(kernels, fam: Family) -> str:
   problems, eager_broken = [], []
   for cls in classes:
     try:
-      module = build_experts(cls, torch.float32)
+      module = build_experts(cls, torch.float32, config_class=fam.config_class)
       inputs = experts_inputs(module, torch.float32)
     except Exception as e:  # noqa: BLE001
       problems.append(f"not built: {cls.__name__}: {type(e).__name__}: {e}")
@@ -474,7 +527,8 @@ def experts_cell(kernels, fam: Family) -> str:
     return "; ".join(problems + eager_broken)
   if eager_broken:
     return "; ".join(eager_broken)
-  return "matches" if len(classes) == 1 else f"matches ({len(classes)} classes)"
+  cell = "matches" if len(classes) == 1 else f"matches ({len(classes)} classes)"
+  return cell + fam.borrowed()
 
 
 # ------------------------------------------------------------------------------ the table

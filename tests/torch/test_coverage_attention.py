@@ -15,6 +15,12 @@ mode; the norm column's subset is tests/torch/test_coverage_norm.py):
                    the mask; the cell read "not applicable" on 5.23)
   phimoe           matches: its sliding window comes from the mask (the layers pass none;
                    before, the cell read "differs", logits 0.9 off)
+  deepseek_v3      matches (multi-head latent attention built small by MLA_TINY: key
+                   head_dim 24, value 16; "not built" before)
+  exaone           matches, on Llama's classes from its own ExaoneConfig (a config-only
+                   family, Transformers 5.24+)
+  mamba2           not applicable: no attention of its own through the interface (its
+                   default config did not even build small: "not built" before)
 
 The cells judge the kernel against Transformers' eager attention (tolerances in the
 module's docstring).
@@ -33,6 +39,9 @@ EXPECTED = {
     "bigbird_pegasus": "refused: attention_forward: BigBirdPegasusDecoderAttention's family",
     "falcon": "refused: flash-attention-tpu: the model asks for its causal mask materialized",
     "phimoe": "matches",
+    "deepseek_v3": "matches",
+    "exaone": "matches (llama's classes from its own ExaoneConfig)",
+    "mamba2": "not applicable (mamba2's modeling code has no attention of its own",
 }
 
 
