@@ -243,6 +243,27 @@ def test_generate_with_padding_matches_eager(registered, op_calls, family):
   assert decode[0].shape[2] == 1 and decode[6].tolist() == [decode[1].shape[2] - 1]
 
 
+def test_from_pretrained_with_attn_implementation(registered, op_calls, tmp_path):
+  """The card's line: from_pretrained(path, attn_implementation="tpu_attention").
+  Transformers 5.25 kernelizes on load by default and again on train() / eval(); the
+  attention still runs on the kernel and equals eager's on a left-padded batch."""
+  from transformers import AutoModelForCausalLM
+
+  _model("llama", torch.float32).save_pretrained(tmp_path)
+  eager = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+  model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=IMPL)
+  model.train()
+  model.eval()
+  assert model.config._attn_implementation == IMPL
+  ids, mask, _ = _inputs(True)
+  with torch.no_grad():
+    want = eager(input_ids=ids, attention_mask=mask).logits
+    got = model(input_ids=ids, attention_mask=mask).logits
+  assert len(op_calls["forward"]) == model.config.num_hidden_layers
+  valid = mask.bool()
+  ref.assert_close(got[valid], want[valid], TOL, what="logits")
+
+
 def test_tiny_models_exercise_the_features():
   """The comparisons above mean something: in these tiny models the soft-cap, the window
   and the sinks each change the eager logits far beyond the tolerances."""

@@ -120,6 +120,33 @@ def test_model_matches_eager_forward_and_backward(registered, family, dtype):
     ref.assert_close(got_grads[name], want, what=f"grad {name}", **GRAD_TOL[dtype])
 
 
+def test_from_pretrained_with_experts_implementation(registered, tmp_path, monkeypatch):
+  """The card's line: from_pretrained(path, experts_implementation="tpu_ragged_dot").
+  Transformers 5.25 kernelizes on load by default and again on train() / eval(); the
+  experts still run on the kernel (its calls counted) and equal eager's logits."""
+  from transformers import AutoModelForCausalLM
+  from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+  calls = []
+
+  def counting(*args, **kwargs):
+    calls.append(1)
+    return registered.experts_forward(*args, **kwargs)
+
+  monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, IMPL, counting)
+  _tiny("qwen3_moe", torch.float32).save_pretrained(tmp_path)
+  eager = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="eager")
+  model = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation=IMPL)
+  model.train()
+  model.eval()
+  assert model.config._experts_implementation == IMPL
+  ids = torch.randint(3, _COMMON["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(2))
+  with torch.no_grad():
+    want, got = eager(input_ids=ids).logits, model(input_ids=ids).logits
+  assert len(calls) == model.config.num_hidden_layers
+  ref.assert_close(got, want, what="logits", **TOL[torch.float32])
+
+
 # ---------------------------------------------------------------- directly built experts
 
 
