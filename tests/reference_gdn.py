@@ -24,6 +24,8 @@ differences.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 L2NORM_EPS = 1e-6
@@ -116,8 +118,8 @@ def gated_delta_rule_jax(q, k, v, g, beta, *, initial_state=None, use_qk_l2norm=
 
   with jax.enable_x64(True):
     args, h0 = _x64_args(q, k, v, g, beta, initial_state, cu_seqlens)
-    o, finals = _jax_forward(*args, h0, use_qk_l2norm=use_qk_l2norm, scale=scale,
-                             cu_seqlens=cu_seqlens)
+    o, finals = jax.jit(functools.partial(_jax_forward, use_qk_l2norm=use_qk_l2norm,
+                                          scale=scale, cu_seqlens=cu_seqlens))(*args, h0)
     return np.asarray(o), np.asarray(finals)
 
 
@@ -146,7 +148,7 @@ def gated_delta_rule_vjp(q, k, v, g, beta, do, *, initial_state=None, dht=None,
       return _jax_forward(q, k, v, g, beta, h0, use_qk_l2norm=use_qk_l2norm, scale=scale,
                           cu_seqlens=cu_seqlens)
 
-    (o, finals), vjp = jax.vjp(f, *args, h0)
+    (o, finals), vjp = jax.vjp(jax.jit(f), *args, h0)
     ct_final = jnp.zeros_like(finals) if dht is None else jnp.asarray(f64(dht))
     grads = vjp((jnp.asarray(f64(do)), ct_final))
     return dict(zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), (np.asarray(x) for x in grads)))

@@ -157,8 +157,9 @@ _TN = (((0,), (0,)), ((), ()))
 _TARGET_HEADS_PER_STEP = 4
 # Unrolled (head, token) bodies per decode step at most (code size).
 _MAX_DECODE_BODIES = 64
-# Tokens per sequence the recurrent kernel takes; longer calls run the chunked kernel.
-MAX_RECURRENT_TOKENS = 64
+# Tokens per sequence the recurrent kernel takes (its bodies are unrolled per head and
+# token); longer calls run the chunked kernel (one chunk of 64 serves up to 64 tokens).
+MAX_RECURRENT_TOKENS = 16
 
 
 # ----------------------------------------------------------------------------- tiling
@@ -211,7 +212,7 @@ def _fit(cands, plan, chip_: chips.Chip, vmem_limit_bytes, what: str):
   """(heads, limit, plan bytes) for candidates in order of preference. With no limit
   given: the first candidate, under the chip's default limit if its plan fits half of it,
   else under a limit raised as far as the plan needs (more heads per step beat the default
-  limit: on v5e, 4 heads under 20 MiB rate 9% fewer forward cycles than 2 under 16 MiB),
+  limit: on v5e, 4 heads under 19 MiB rate 9% fewer forward cycles than 2 under 16 MiB),
   then the next candidate if the chip cannot give that. With a limit given: the first
   candidate whose plan fits half of it."""
   limit = vmem.resolve_vmem_limit(chip_, vmem_limit_bytes)
@@ -916,7 +917,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, initial_state=None,
   Args:
     q, k: [B, T, Hk, K] float32 or bfloat16.
     v: [B, T, Hv, V], q's dtype; Hv a multiple of Hk (value head h reads key head h // G).
-    g: [B, T, Hv] float32: the log-decay (<= 0).
+    g: [B, T, Hv] float32: the log-decay (<= 0 and finite: a positive g can overflow the
+      chunk's exp(G_i - G_j), as in Transformers' chunked code).
     beta: [B, T, Hv] float32 or q's dtype.
     initial_state: None (zeros) or [B, Hv, K, V] float32 ([N, Hv, K, V] with cu_seqlens).
     output_final_state: also return the final state(s), float32.

@@ -8,17 +8,18 @@ against finite differences (`tests/jax/test_reference.py` holds the other kernel
 Tolerances. A value x passes if |x - ref| <= rtol |ref| + atol max|ref| (max over the
 array), and every value is finite (interpret mode fills output a kernel never writes, and
 rows read past an array's end, with NaN: a forgotten row or a leaked tail fails here).
-  * float32 results (everything with float32 inputs; the final state and dg always; dbeta
-    when beta is float32): rtol 1e-5, atol 5e-5. The kernels compute in float32 (inputs
-    widened on load, HIGHEST-precision matmuls), so the error is float32 rounding,
-    accumulated over chunks, relative to the array's scale: measured at most about 1e-6
-    of max|ref| on these problems (inputs of unit scale, keys of about unit norm, beta
-    in [0, 1), decays in [exp(-1), 1] with a few near-total resets), so the bounds leave
-    50x.
+  * float32 results (everything with float32 inputs; the final state, dg and dh0 always;
+    dbeta when beta is float32): rtol 1e-5, atol 1e-4. The kernels compute in float32
+    (inputs widened on load, HIGHEST-precision matmuls), so the error is float32
+    rounding, accumulated over chunks, relative to the array's scale. Measured (inputs of
+    unit scale, keys of about unit norm, beta in [0, 1), decays in [exp(-1), 1] with a
+    few near-total resets): over the ci profile's examples at most 6.3e-6 of max|ref| (dg,
+    a sum of terms that cancel); over 40 random examples per property at most 9.0e-6
+    (dbeta), 7.5e-6 for the final state, 4.7e-6 for o: the bound leaves 11x.
   * bfloat16 results (o, dq, dk, dv, and dbeta when beta is bfloat16): the same float32
     math on the bf16 inputs (which the reference takes exactly, as float64), then one
     rounding to bfloat16: at most 2^-8 relative (round to nearest, 8 significant bits),
-    so rtol 2^-8, atol 1e-4.
+    so rtol 2^-8, atol 1e-4 (measured beyond the rounding: at most 3.1e-7 of max|ref|).
 
 Cost. Interpret mode compiles every new shape and option set (1-3 s for a forward, 4-8 s
 for forward + backward with XLA:CPU's backend optimisations off, `_FAST_COMPILE`; about
@@ -48,7 +49,7 @@ SEQ = [1, 5, 64, 100, 130]
 # value heads per key head (an odd group: one value head per step is impossible there).
 HEADS = [(1, 1), (1, 2), (2, 2), (2, 1), (1, 3)]
 DIMS = [16, 32]
-TOL = {"float32": dict(rtol=1e-5, atol=5e-5), "bfloat16": dict(rtol=2.0 ** -8, atol=1e-4)}
+TOL = {"float32": dict(rtol=1e-5, atol=1e-4), "bfloat16": dict(rtol=2.0 ** -8, atol=1e-4)}
 # XLA:CPU options for the interpret-mode programs: codegen only (semantics unchanged); about
 # halves their compile time.
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
