@@ -392,3 +392,154 @@ def tiny_attention_model(family: str, dtype: torch.dtype = torch.float32, *,
       elif "norm" in name:
         p.normal_(0.0 if family == "gemma2" else 1.0, 0.1)
   return model.eval()
+
+
+# ------------------------------------------------------------------ linear attention (issue 59)
+#
+#   use_linear_attention_tpu("tpu-kernels")                 # the process-wide mapping
+#   model = AutoModelForCausalLM.from_pretrained(path)      # kernelized on load
+#   kernelize_linear_attention(model, "tpu-kernels")        # or: a model built otherwise
+#
+# Transformers 5.25's linear-attention layers (Gated DeltaNet: Qwen3.5 dense and MoE,
+# Qwen3-Next, OLMo-Hybrid, ...; the Mamba-style families' convs) call module-level
+# functions that it wraps as kernels function layers under hub names
+# (`use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")`, ...) and lists
+# on the calling layer (`use_kernelized_func`): kernelize replaces each layer's private copy
+# of the function with the mapped layer's forward. Its gated norm is decorated
+# `use_kernel_forward_from_hub("RMSNormGated")`. Transformers maps these names for cuda /
+# rocm / xpu only (fla, mamba-ssm); the recipe registers the three repos' layers for "tpu"
+# (and "cpu": interpret mode) in the process's mapping, the RMSNorm recipe's way, so that
+# from_pretrained, set_use_kernels(True) and every train() / eval() apply it. The layers
+# then receive the model's calls as they are (Transformers' fallback wrapper, and its
+# ValueError on packed sequences, no longer runs).
+
+# Transformers' hub name -> (kernel repo, layer of that repo).
+LINEAR_ATTENTION_LAYERS = {
+    "chunk_gated_delta_rule": ("gated-delta-rule-tpu", "ChunkGatedDeltaRule"),
+    "fused_recurrent_gated_delta_rule": ("gated-delta-rule-tpu", "FusedRecurrentGatedDeltaRule"),
+    "causal_conv1d_fn": ("causal-conv1d-tpu", "CausalConv1dFn"),
+    "causal_conv1d_update": ("causal-conv1d-tpu", "CausalConv1dUpdate"),
+    "causal_conv1d_forward": ("causal-conv1d-tpu", "CausalConv1dForward"),
+    "RMSNormGated": ("rms-norm-tpu", "RMSNormGated"),
+}
+
+
+def linear_attention_layer_repository(org: str, hub_name: str):
+  """kernels' LayerRepository (major version 1) of the layer mapped to `hub_name`."""
+  from kernels import LayerRepository
+
+  repo, layer = LINEAR_ATTENTION_LAYERS[hub_name]
+  repo_id = f"{org}/{repo}"
+  return LayerRepository(repo_id, layer_name=layer, version=1, trust_remote_code=[repo_id])
+
+
+def use_linear_attention_tpu(org: str, *, devices=DEVICES) -> dict:
+  """The recipe: registers, for the whole process (kernels' register_kernel_mapping), the
+  layers of gated-delta-rule-tpu, causal-conv1d-tpu and rms-norm-tpu (published under
+  `org`) for every hub name of LINEAR_ATTENTION_LAYERS on `devices`. Returns {hub name:
+  LayerRepository}."""
+  from kernels import register_kernel_mapping
+
+  repos = {name: linear_attention_layer_repository(org, name) for name in LINEAR_ATTENTION_LAYERS}
+  register_kernel_mapping({name: {device: repo for device in devices}
+                           for name, repo in repos.items()})
+  return repos
+
+
+def linear_attention_calls(model) -> list[tuple[str, str, torch.nn.Module]]:
+  """(module path, hub name, the module kernelize replaces the forward of) for every
+  linear-attention call of `model` the recipe maps: each function layer a module lists
+  (`_kernel_funcs`) under one of the hub names, and each module whose class is decorated
+  with one (the gated norms)."""
+  calls = []
+  for path, module in model.named_modules():
+    for func in getattr(module, "_kernel_funcs", {}).values():
+      name = getattr(type(func), "kernel_layer_name", None)
+      if name in LINEAR_ATTENTION_LAYERS:
+        calls.append((path, name, func))
+    name = hub_layer_name(type(module))
+    if name in LINEAR_ATTENTION_LAYERS:
+      calls.append((path, name, module))
+  return calls
+
+
+def assert_linear_attention_kernelized(model, org: str) -> int:
+  """Raises RuntimeError naming every call of linear_attention_calls(model) whose forward is
+  not the mapped layer from `org`'s repos; returns how many calls there are."""
+  calls = linear_attention_calls(model)
+  wrong = [f"{path or '<model>'}: {name}" for path, name, module in calls
+           if module.__dict__.get("_kernel_repo")
+           != linear_attention_layer_repository(org, name)]
+  if wrong:
+    raise RuntimeError(f"{len(wrong)} of {len(calls)} linear-attention calls do not run the "
+                       f"kernels: " + ", ".join(wrong))
+  return len(calls)
+
+
+def kernelize_linear_attention(model, org: str, *, mode=None):
+  """Puts the linear-attention kernels under every call of linear_attention_calls(model):
+  use_linear_attention_tpu, then Transformers' own set_use_kernels(True) for a
+  PreTrainedModel (what from_pretrained does on load; train() / eval() kernelize again),
+  else kernels.kernelize (other layers keep their forward). `mode` (kernels' Mode) defaults
+  to the model's training flag. Raises ValueError if the model has no such call,
+  RuntimeError if any was not replaced (no silent stock fallback)."""
+  from kernels import KernelizeFallback, Mode, kernelize
+  from transformers import PreTrainedModel
+
+  if not linear_attention_calls(model):
+    raise ValueError(f"{type(model).__name__} makes no linear-attention call these kernels "
+                     f"replace")
+  use_linear_attention_tpu(org)
+  if mode is None:
+    mode = Mode.TRAINING if model.training else Mode.INFERENCE
+  if isinstance(model, PreTrainedModel):
+    model.set_use_kernels(True, mode=mode)
+  else:
+    kernelize(model, mode=mode, use_fallback=KernelizeFallback.DEFAULT)
+  assert_linear_attention_kernelized(model, org)
+  return model
+
+
+# Tiny hybrid models (linear attention + full attention), one of each layer kind, whose
+# linear-attention shapes are the same for every family (so that the kernels' compiled
+# programs are shared): 2 key heads and 4 value heads of 16, conv width 4 over 128
+# channels. Weights drawn with std 0.2 (as the attention models'), norm weights around
+# their initial value.
+LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid")
+_TINY_LINEAR = dict(_TINY, initializer_range=0.2,
+                    layer_types=["linear_attention", "full_attention"],
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4)
+_TINY_LINEAR_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32)
+
+
+def tiny_linear_attention_config(family: str):
+  """The config of a tiny hybrid causal LM of `family` (LINEAR_ATTENTION_FAMILIES)."""
+  import transformers as tr
+
+  if family == "qwen3_5":
+    return tr.Qwen3_5TextConfig(**_TINY_LINEAR)
+  if family == "qwen3_5_moe":
+    return tr.Qwen3_5MoeTextConfig(**_TINY_LINEAR, **_TINY_LINEAR_MOE)
+  if family == "qwen3_next":
+    return tr.Qwen3NextConfig(**_TINY_LINEAR, **_TINY_LINEAR_MOE)
+  if family == "olmo_hybrid":
+    return tr.OlmoHybridConfig(**_TINY_LINEAR)
+  raise ValueError(f"unknown family {family!r}; expected one of {LINEAR_ATTENTION_FAMILIES}")
+
+
+def tiny_linear_attention_model(family: str, dtype: torch.dtype = torch.float32, *,
+                                seed: int = 0):
+  """A small randomly initialised hybrid causal LM of `family` (see above), eval mode, CPU,
+  eager attention."""
+  from transformers import AutoModelForCausalLM
+
+  config = tiny_linear_attention_config(family)
+  torch.manual_seed(seed)
+  model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.add_(0.1 * torch.randn_like(p))
+  return model.eval()
