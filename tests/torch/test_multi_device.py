@@ -7,20 +7,21 @@ resolved and applied by `PreTrainedModel.prepare_distribute_model` and
 a DistributedConfig, `from_pretrained` itself also wants `accelerate`, which this project
 does not install, so the model is loaded plainly and then sharded by those two functions).
 Cases (one tiny checkpoint per family, saved by the test and loaded by every process):
-  tp       Qwen3-MoE, DistributedConfig(tp_size=2): attention heads and every expert's
-           intermediate dimension split in two ("colwise" / "rowwise" / "packed_colwise"
-           / "moe_tp_experts").
-  tp_ep    Qwen3-MoE, DistributedConfig(tp_size=2, ep_size=2): the EP plan on the experts
-           (4 of 8 per rank, "grouped_gemm" + "ep_dispatch_experts"), TP on the rest. Both
-           ranks hold the batch, so inference takes AllReduceEP (expert-parallel
-           placeholder ids == num_local_experts with weight 0) and training AllToAllEP.
+  ep       Qwen3-MoE, DistributedConfig(tp_size=2, ep_size=2, tp_plan={}): the EP plan
+           alone (4 of 8 experts per rank, "grouped_gemm" + "ep_dispatch_experts"), no TP
+           rule (attention whole on each rank). Both ranks hold the batch, so inference
+           takes AllReduceEP (expert-parallel placeholder ids == num_local_experts with
+           weight 0) and training AllToAllEP.
+  tp_ep    Qwen3-MoE, DistributedConfig(tp_size=2, ep_size=2): the EP plan on the experts,
+           TP on the rest (attention heads split in two: "colwise" / "rowwise").
   fsdp_ep  gpt-oss (sinks, biases, clamped SwiGLU), DistributedConfig(fsdp_size=2,
            ep_size=2): the EP plan on the experts (2 of 4 per rank), FSDP2 on the rest
            (gpt-oss has no TP plan). Both ranks get the same batch.
-Transformers 5.23's deprecated `enable_expert_parallel=True` (documented as ep_size=tp_size,
-tp_plan={}) raises "has no tp_plan" in plan resolution, before any device is involved, and
-ep_size=2 alone must divide fsdp_size * tp_size = 1: EP without a second axis (TP or FSDP)
-cannot be built (`test_expert_parallel_alone_is_refused_by_transformers`).
+Transformers 5.25 no longer splits experts under TP (Qwen3-MoE's base_model_tp_plan has
+no expert rule, and the "moe_tp_experts" style is deprecated for removal in 5.28): with
+tp_size=2 alone its experts are whole on every rank, so that case tests nothing tp_ep's
+attention and ep's experts do not. And 5.25 builds EP without TP rules (tp_plan={}; on
+5.23 that raised "has no tp_plan"), which the ep case runs in place of 5.23's tp case.
 
 Every rank loads the checkpoint with experts_implementation="tpu_ragged_dot" and
 attn_implementation="tpu_attention", and again with "eager" for both, shards it and runs:
@@ -58,7 +59,7 @@ EXPERTS_IMPL, ATTN_IMPL = "tpu_ragged_dot", "tpu_attention"
 IMPLEMENTATIONS = {"kernel": (EXPERTS_IMPL, ATTN_IMPL), "eager": ("eager", "eager")}
 TOL = dict(rtol=1e-4, atol=1e-4)
 CASES = {  # name -> (family, DistributedConfig arguments)
-  "tp": ("qwen3_moe", dict(tp_size=2)),
+  "ep": ("qwen3_moe", dict(tp_size=2, ep_size=2, tp_plan={})),
   "tp_ep": ("qwen3_moe", dict(tp_size=2, ep_size=2)),
   "fsdp_ep": ("gpt_oss", dict(fsdp_size=2, ep_size=2)),
 }
@@ -81,9 +82,8 @@ def _inputs(vocab_size: int):
 
 
 def _load(path: Path, impl: str):
-  """The checkpoint with `impl`'s experts and attention, chosen at load time (on an
-  FSDP-wrapped model, Transformers 5.23's set_experts_implementation silently keeps the
-  old one: it looks for @use_experts_implementation in the source of the FSDP class)."""
+  """The checkpoint with `impl`'s experts and attention, chosen at load time (as a user
+  does: from_pretrained(..., experts_implementation=..., attn_implementation=...))."""
   import torch
   from transformers import AutoModelForCausalLM
 
@@ -273,21 +273,20 @@ def _expected_local_shapes(case: str, config) -> dict:
   experts, hidden = config.num_local_experts, config.hidden_size
   inner = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
   prefix = "model.layers.0."
-  if case == "tp":  # heads split; every expert's intermediate dimension split
-    return {prefix + "self_attn.q_proj.weight": (heads // 2 * head_dim, hidden),
-            prefix + "self_attn.k_proj.weight": (kv_heads // 2 * head_dim, hidden),
-            prefix + "self_attn.o_proj.weight": (hidden, heads // 2 * head_dim),
-            prefix + "mlp.experts.gate_up_proj": (experts, inner, hidden),
-            prefix + "mlp.experts.down_proj": (experts, hidden, inner // 2)}
-  # expert parallel: half of the experts, each whole
+  # expert parallel: half of the experts, each whole (gpt-oss: [E, in, out])
+  qwen = case in ("ep", "tp_ep")
   shapes = {prefix + "mlp.experts.gate_up_proj": (experts // 2, 2 * inner, hidden)
-            if case == "tp_ep" else (experts // 2, hidden, 2 * inner),
+            if qwen else (experts // 2, hidden, 2 * inner),
             prefix + "mlp.experts.down_proj": (experts // 2, hidden, inner)
-            if case == "tp_ep" else (experts // 2, inner, hidden)}
+            if qwen else (experts // 2, inner, hidden)}
   if case == "fsdp_ep":
     shapes[prefix + "mlp.experts.gate_up_proj_bias"] = (experts // 2, 2 * inner)
-  if case == "tp_ep":
+  if case == "tp_ep":   # heads split
     shapes[prefix + "self_attn.q_proj.weight"] = (heads // 2 * head_dim, hidden)
+    shapes[prefix + "self_attn.k_proj.weight"] = (kv_heads // 2 * head_dim, hidden)
+    shapes[prefix + "self_attn.o_proj.weight"] = (hidden, heads // 2 * head_dim)
+  if case == "ep":      # no TP rule: attention whole
+    shapes[prefix + "self_attn.q_proj.weight"] = (heads * head_dim, hidden)
   return shapes
 
 
@@ -298,11 +297,11 @@ def test_plan_on_kernels_equals_single_process(distributed, single_process, case
   work, ranks = distributed
   family, _ = CASES[case]
   config = AutoConfig.from_pretrained(work / family)
-  want_experts = config.num_local_experts // (1 if case == "tp" else 2)
+  want_experts = config.num_local_experts // 2
   layers = config.num_hidden_layers
-  # FSDP gathers the attention weights for compute: TP splits the heads
+  # FSDP gathers the attention weights for compute, ep leaves them whole: TP splits the heads
   heads = (config.num_attention_heads, config.num_key_value_heads)
-  heads = heads if case == "fsdp_ep" else (heads[0] // 2, heads[1] // 2)
+  heads = heads if case != "tp_ep" else (heads[0] // 2, heads[1] // 2)
   experts = "model.layers.0.mlp.experts."
   for rank, results in enumerate(ranks):
     for impl in IMPLEMENTATIONS:
@@ -318,25 +317,6 @@ def test_plan_on_kernels_equals_single_process(distributed, single_process, case
       assert result["calls"] == (want_calls if impl == "kernel" else
                                  {"experts": [], "attention": []}), (what, result["calls"])
       _assert_matches(result, single_process[family][impl], what)
-
-
-def test_expert_parallel_alone_is_refused_by_transformers(checkpoints):
-  """Transformers 5.23 cannot put the EP plan on 2 ranks without a second axis: the
-  deprecated enable_expert_parallel (documented as ep_size=tp_size, tp_plan={}) empties the
-  TP plan and then refuses tp_size=2 for having none; ep_size=2 alone must divide
-  fsdp_size * tp_size = 1. Plan resolution needs no process group: this is the whole
-  reproduction. If a Transformers update lifts it, add the case to CASES."""
-  from transformers import AutoModelForCausalLM
-  from transformers.distributed import DistributedConfig
-
-  model = AutoModelForCausalLM.from_pretrained(checkpoints / "qwen3_moe")
-  with pytest.warns(FutureWarning, match="enable_expert_parallel"):
-    config = DistributedConfig(enable_expert_parallel=True, tp_size=2)
-  assert (config.ep_size, config.tp_plan) == (2, {})
-  with pytest.raises(ValueError, match="`tp_size=2` was requested, but .* has no `tp_plan`"):
-    model._resolve_parallel_plans(config)
-  with pytest.raises(ValueError, match="`ep_size` must divide `fsdp_size \\* tp_size`"):
-    DistributedConfig(ep_size=2)
 
 
 if __name__ == "__main__":
