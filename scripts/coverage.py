@@ -538,6 +538,8 @@ from coverage_attention import attention_cell  # noqa: E402
 from coverage_norm import norm_cell  # noqa: E402
 
 COLUMNS = {"experts": experts_cell, "attention": attention_cell, "norm": norm_cell}
+from coverage_linear_attention import linear_attention_cell  # noqa: E402
+COLUMNS["linear_attention"] = linear_attention_cell
 
 
 def load_kernels(dist: Path) -> dict:

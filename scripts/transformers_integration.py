@@ -500,6 +500,39 @@ def kernelize_linear_attention(model, org: str, *, mode=None):
   return model
 
 
+class RecordKernelOps:
+  """A torch dispatch mode that records which custom ops of the given loaded kernel
+  packages run (by op name, e.g. "chunk_gated_delta_rule"), to see that a model's calls
+  reached the kernels, not only that its forwards were swapped:
+
+      with RecordKernelOps([gdn, conv, rms]) as ops:
+        model(ids)
+      assert "chunk_gated_delta_rule" in ops.called
+  """
+
+  def __init__(self, kernels):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    namespaces = tuple(k.__name__.rsplit("_", 1)[0] for k in kernels)   # drop _cpu / _tpu
+    called = self.called = set()
+
+    class Mode(TorchDispatchMode):
+      def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace, _, name = func.name().partition("::")
+        if namespace.startswith(namespaces):
+          called.add(name.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+    self._mode = Mode()
+
+  def __enter__(self):
+    self._mode.__enter__()
+    return self
+
+  def __exit__(self, *exc):
+    return self._mode.__exit__(*exc)
+
+
 # Tiny hybrid models (linear attention + full attention), one of each layer kind, whose
 # linear-attention shapes are the same for every family (so that the kernels' compiled
 # programs are shared): 2 key heads and 4 value heads of 16, conv width 4 over 128

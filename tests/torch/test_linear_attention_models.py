@@ -10,7 +10,7 @@ three repos' layers in the process's kernel mapping, here undone after each test
 `kernel_mapping_scope`) and Transformers' `set_use_kernels(True)` put gated-delta-rule-tpu,
 causal-conv1d-tpu and rms-norm-tpu's gated norm under every linear-attention call
 (`assert_linear_attention_kernelized` checks each one), and the kernels' custom ops are
-seen running (a TorchDispatchMode records them):
+seen running (`RecordKernelOps`, a TorchDispatchMode, records them):
 
   * logits equal the stock model's within 1e-4 of the largest (float32);
   * cached greedy `generate` gives the stock model's tokens (prefill on the chunked kernel
@@ -26,7 +26,6 @@ seen running (a TorchDispatchMode records them):
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformers_integration as ti
 
@@ -41,21 +40,6 @@ LENGTHS = (5, 9, 3)
 def org(manifest, gdn, conv, rms):
   """The hub org of the three repos, with their builds loaded (LOCAL_KERNELS)."""
   return manifest["collection"]["hub-org"]
-
-
-class RecordOps(TorchDispatchMode):
-  """The names of the kernels' custom ops called (namespaces of the three packages)."""
-
-  def __init__(self, kernels):
-    super().__init__()
-    self.namespaces = tuple(k.__name__.rsplit("_", 1)[0] for k in kernels)
-    self.called = set()
-
-  def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-    namespace, _, name = func.name().partition("::")
-    if namespace.startswith(self.namespaces):
-      self.called.add(name.split(".")[0])
-    return func(*args, **(kwargs or {}))
 
 
 def _relative(got, want) -> float:
@@ -73,12 +57,12 @@ def test_logits_and_cached_generate_match_stock(family, org, gdn, conv, rms):
         ti.LINEAR_ATTENTION_LAYERS)
     with torch.no_grad():
       want = stock(PROMPT).logits
-      with RecordOps((gdn, conv, rms)) as ops:
+      with ti.RecordKernelOps((gdn, conv, rms)) as ops:
         got = model(PROMPT).logits
     assert {"chunk_gated_delta_rule", "causal_conv1d_forward", "rms_norm_gated"} <= ops.called
     assert _relative(got, want) <= BOUND
     want_tokens = stock.generate(PROMPT, max_new_tokens=4, do_sample=False)
-    with RecordOps((gdn, conv, rms)) as ops:
+    with ti.RecordKernelOps((gdn, conv, rms)) as ops:
       got_tokens = model.generate(PROMPT, max_new_tokens=4, do_sample=False)
     assert {"fused_recurrent_gated_delta_rule", "causal_conv1d_update"} <= ops.called
     assert torch.equal(got_tokens, want_tokens)
