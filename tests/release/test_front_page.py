@@ -167,19 +167,12 @@ def _estimate_numbers() -> set[float]:
 
 
 def _quantized_table_numbers() -> set[float]:
-  """The numbers of docs/performance.md's quantized-decode, int8-activation (w8a8) and
-  tpu-inference gmm tables, as benchmarks/ragged_estimate.py generates them from
-  estimates.jsonl (speed-ups over the best bf16 anchor, ours ÷ tpu-inference)."""
-  import sys
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  import headline
-  import ragged_estimate
-  rows = [json.loads(line) for line in
-          (ROOT / "benchmarks" / "results" / "estimates.jsonl").read_text().splitlines() if line]
-  text = ragged_estimate.quantized_decode_table(
-      rows, [c.name for c in headline.QUANTIZED_DECODE if c.quantized])
-  text += ragged_estimate.quantized_decode_table(rows, [c.name for c in headline.W8A8_DECODE])
-  text += ragged_estimate.tpu_inference_gmm_table(rows, [c.name for c in headline.QUANTIZED_DECODE])
+  """The numbers of the docs' quantized-decode, int8-activation (w8a8) and tpu-inference gmm
+  tables, as benchmarks/reports/tables.py generates them from estimates.jsonl (speed-ups over
+  the best bf16 anchor, ours ÷ tpu-inference)."""
+  from benchmarks.reports import docs
+  text = "".join(docs.TABLES[name]() for name in
+                 ("quantized-decode", "w8a8-decode", "tpu-inference-gmm"))
   return {float(n.replace(",", "")) for n in DECIMAL.findall(text)}
 
 

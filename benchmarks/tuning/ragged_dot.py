@@ -1,10 +1,10 @@
 """Tunes the grouped matmul's forward blocks with libtpu's static estimate; writes the table.
 
-    python benchmarks/tune_ragged_dot.py [--chips v6e] [--models ...] [--weight-dtypes ...]
-                                         [--retry-failed] [--summary]
+    python benchmarks/tuning/ragged_dot.py [--chips v6e] [--models ...] [--weight-dtypes ...]
+                                           [--retry-failed] [--summary]
 
 Grid (`MODELS_BY_CHIP`): the headline model's expert shapes (Qwen3-30B-A3B) and those
-of benchmarks/ragged_survey.py's models (Mixtral-8x7B, Qwen3-235B-A22B, DeepSeek-V3,
+of the survey's models (cases/survey.py: Mixtral-8x7B, Qwen3-235B-A22B, DeepSeek-V3,
 OLMoE-1B-7B), on both chips. The first four were chosen where the heuristic tiling rated
 below 0.95 of the roofline or behind XLA's ragged_dot on v6e; since 2026-12-06 every
 survey model is in the grid on both chips, because at unaligned routing the heuristic's
@@ -34,7 +34,7 @@ split-k tiling a refetch of the group's weights (a visit walks all k blocks, so 
 weight block index changes), which whole-k tilings do not pay (the same block stays).
 At decode sizes balanced routing therefore flatters a split k by up to 2x in weight
 bytes. Each rated candidate gets both predictions: balanced, from the static estimate
-(`estimate.rate_gmm`, as in the headline); unaligned, from the same estimate's cycles
+(`rating/ragged_dot.rate_gmm`, as in the headline); unaligned, from the same estimate's cycles
 per visit times the unaligned visit count, and the bytes of `modelled_bytes` at that
 count (the estimator itself only sees the balanced table). A prediction is
 max(cycles / clock, bytes / HBM bandwidth).
@@ -67,7 +67,7 @@ blocks (`merged_log`).
 Limits, stated: the model only chooses what gets rated; an unrated candidate might have
 been better. The unaligned prediction is a hand extrapolation, not the estimator's own
 (it assumes every visit costs a balanced visit's cycles). The estimator exhausts memory
-on some large gated blocks (each child is capped at ragged_survey.CHILD_MEMORY_BYTES):
+on some large gated blocks (each child is capped at children.CHILD_MEMORY_BYTES):
 such a candidate is logged with its error and cannot win unless `--retry-failed`,
 which re-rates failed ones alone under RETRY_MEMORY_BYTES, rates it. Static estimates,
 not measurements.
@@ -75,30 +75,32 @@ not measurements.
 
 from __future__ import annotations
 
-import argparse
-import concurrent.futures
-import dataclasses
-import json
 import sys
 from pathlib import Path
-from unittest import mock
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "kernels"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+if __name__ == "__main__":   # run as a script: import `benchmarks` from the repository root
+  sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-import ragged_survey  # noqa: E402  (no jax at import)
-import tuning  # noqa: E402  (no jax)
+import argparse  # noqa: E402
+import concurrent.futures  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+from unittest import mock  # noqa: E402
 
-if "--key" in sys.argv:   # the rating child needs the profile flag before jax loads
-  tuning.enable_static_profile()
+from benchmarks import RESULTS, read_rows, tuning, write_rows  # noqa: E402  (no jax)
+from benchmarks.estimator import children  # noqa: E402  (no jax)
+
+if __name__ == "__main__" and "--key" in sys.argv:   # the rating child: before jax loads
+  children.enable_static_profile()
 
 import jax.numpy as jnp  # noqa: E402
 
 from tpu_kernels import chips, ragged_dot as R, vmem  # noqa: E402
 
-import headline  # noqa: E402
-import ragged_estimate  # noqa: E402
+from benchmarks.cases import survey  # noqa: E402
+from benchmarks.cases.headline import MOE_MODELS  # noqa: E402
+from benchmarks.rating import ragged_dot as ragged_rating  # noqa: E402
+from benchmarks.rating.roofline import prediction, roofline_us  # noqa: E402
 
 MODELS = ("qwen3-30b-a3b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3", "olmoe-1b-7b",
           "gpt-oss-20b")
@@ -136,12 +138,12 @@ TABLE_ABOUT = [
     "interleaved: gate/up columns interleaved in one weight (gpt-oss; the 'lanes' kernel). "
     "f32_out: a float32 output of a bf16 call (the experts layer's down projection).",
     "Each rated candidate has two predictions, max(cycles / clock, bytes moved / HBM "
-    "bandwidth), from libtpu's static estimate (benchmarks/ragged_estimate.py): at balanced "
+    "bandwidth), from libtpu's static estimate (benchmarks/rating/ragged_dot.py): at balanced "
     "routing (groups aligned with the row tiles, as the headline rates) and at unaligned "
     "routing (every group boundary inside a row tile).",
     "The entry is the candidate no slower than the heuristic tiling at balanced routing that "
     "is fastest at unaligned routing, kept only where it beats the heuristic's unaligned "
-    "prediction by at least 1% (benchmarks/tune_ragged_dot.py).",
+    "prediction by at least 1% (benchmarks/tuning/ragged_dot.py).",
     "Static estimates, not measurements: nothing here ran on a TPU.",
     "Keys are produced by ragged_dot.tuning_key (tests/jax/test_ragged_dot_tiling.py checks "
     "every one).",
@@ -150,7 +152,7 @@ TABLE_ABOUT = [
 
 def model_shape(model: str) -> tuple[int, int, int]:
   """(experts, hidden, expert width): the survey's models, and gpt-oss-20b (headline's)."""
-  return ragged_survey.MODELS.get(model) or headline.MOE_MODELS[model]
+  return survey.MODELS.get(model) or MOE_MODELS[model]
 
 
 def grid(chips_: tuple[str, ...] = CHIPS, models: tuple[str, ...] = MODELS,
@@ -184,7 +186,7 @@ def grid(chips_: tuple[str, ...] = CHIPS, models: tuple[str, ...] = MODELS,
 def case(key: R.TuningKey, blocks: tuple[int, int, int] | None = None):
   """The key's call at balanced routing: bf16 weights [G, n, k] (Transformers' layout),
   1-byte weights [G, k, n] with their scale (quantize_experts_'s)."""
-  return ragged_estimate.GmmCase(key.m_bucket, key.num_groups, key.k, key.n,
+  return ragged_rating.GmmCase(key.m_bucket, key.num_groups, key.k, key.n,
                                  key.num_rhs == 2, chip=key.chip, dtype=key.dtype,
                                  blocks=blocks, weight_dtype=key.weight_dtype,
                                  transpose_rhs=not key.quantized,
@@ -219,7 +221,7 @@ def candidates(key: R.TuningKey) -> list[tuple[int, int, int]]:
 
 
 def balanced_visits(key: R.TuningKey, block_m: int) -> int:
-  return ragged_estimate.BalancedTable(key.m_bucket, key.num_groups, block_m).num_visits
+  return ragged_rating.BalancedTable(key.m_bucket, key.num_groups, block_m).num_visits
 
 
 def unaligned_visits(key: R.TuningKey, block_m: int) -> int:
@@ -285,9 +287,8 @@ def to_rate(key: R.TuningKey) -> list[tuple[int, int, int]]:
 def rate(key: R.TuningKey, blocks: tuple[int, int, int]) -> dict:
   """One rating, in this process: the balanced prediction from the static estimate, the
   unaligned one extrapolated from it (module doc)."""
-  import estimate   # here, not above: importing it asks libtpu for the static profile
   c = chips.get_chip(key.chip)
-  r = estimate.rate_gmm(case(key, blocks), key.chip)
+  r = ragged_rating.rate_gmm(case(key, blocks), key.chip)
   balanced, unaligned = balanced_visits(key, blocks[0]), unaligned_visits(key, blocks[0])
   row = dict(blocks=list(blocks), vmem_limit_bytes=r["tiling"]["vmem_limit_bytes"],
              cycles_per_visit=r["cycles_per_visit"])
@@ -296,10 +297,8 @@ def rate(key: R.TuningKey, blocks: tuple[int, int, int]) -> dict:
       ("unaligned", unaligned,
        r["estimated_cycles"] + r["cycles_per_visit"] * (unaligned - balanced),
        modelled_bytes(key, blocks, unaligned))]:
-    compute_us, hbm_us = cycles / c.clock_hz * 1e6, nbytes / c.hbm_bytes_per_s * 1e6
     row[routing] = dict(visits=visits, estimated_cycles=round(cycles), hbm_bytes=nbytes,
-                        compute_us=compute_us, hbm_us=hbm_us,
-                        predicted_us=max(compute_us, hbm_us))
+                        **prediction(cycles, nbytes, c))
   return row
 
 
@@ -340,10 +339,10 @@ def summary(rows: list[dict]) -> list[str]:
     mine, own = _rated(rows, key)
     gate_up = key.num_rhs == 2
     model = by_shape[(key.num_groups, key.k, key.n) if gate_up else (key.num_groups, key.n, key.k)]
-    roofline_us = headline.roofline_us(case(key), chips.get_chip(key.chip))
+    roofline = roofline_us(case(key), chips.get_chip(key.chip))
 
     def efficiency(r):
-      return " / ".join(f"{min(1.0, roofline_us / r[routing]['predicted_us']):.2f}"
+      return " / ".join(f"{min(1.0, roofline / r[routing]['predicted_us']):.2f}"
                         for routing in ("balanced", "unaligned"))
 
     heuristic = efficiency(own) if own else "not rated"
@@ -374,11 +373,11 @@ def merged_log(old_rows: list[dict], new_rows: list[dict]) -> list[dict]:
 
 
 def _rate_in_child(key: R.TuningKey, blocks, heuristic: bool,
-                   memory_bytes: int = ragged_survey.CHILD_MEMORY_BYTES) -> dict:
-  found, error = tuning.run_child(__file__, ["--key", json.dumps(dataclasses.astuple(key)),
-                                             "--blocks", ",".join(map(str, blocks)),
-                                             "--memory-bytes", str(memory_bytes)],
-                                  timeout=1200)
+                   memory_bytes: int = children.CHILD_MEMORY_BYTES) -> dict:
+  found, error = children.run_child(__file__, ["--key", json.dumps(dataclasses.astuple(key)),
+                                               "--blocks", ",".join(map(str, blocks)),
+                                               "--memory-bytes", str(memory_bytes)],
+                                    timeout=1200)
   row = found[0] if found else dict(blocks=list(blocks), error=error)
   row.update(key=list(dataclasses.astuple(key)), heuristic=heuristic)
   print(f"{key}: {blocks}{' (heuristic)' if heuristic else ''}: " + (
@@ -388,7 +387,7 @@ def _rate_in_child(key: R.TuningKey, blocks, heuristic: bool,
 
 
 def main(argv=None) -> int:
-  p = tuning.argument_parser(__doc__, ROOT / "benchmarks/results/ragged_tuning.jsonl", CHIPS)
+  p = tuning.argument_parser(__doc__, RESULTS / "ragged_tuning.jsonl", CHIPS)
   p.add_argument("--key", help=argparse.SUPPRESS)      # internal: rate one candidate
   p.add_argument("--blocks", help=argparse.SUPPRESS)
   p.add_argument("--memory-bytes", type=int, help=argparse.SUPPRESS)
@@ -408,26 +407,25 @@ def main(argv=None) -> int:
                  help="print the efficiency table of the log's ratings (docs/performance.md's) and exit")
   a = p.parse_args(argv)
   if a.key:
-    import resource   # some blocks make the estimator take all memory: fail the row instead
-    cap = a.memory_bytes or ragged_survey.CHILD_MEMORY_BYTES
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    # some blocks make the estimator take all memory: fail the row instead
+    children.limit_memory(a.memory_bytes or children.CHILD_MEMORY_BYTES)
     blocks = tuple(int(x) for x in a.blocks.split(","))
-    tuning.print_row(rate(R.TuningKey(*json.loads(a.key)), blocks))
+    children.print_row(rate(R.TuningKey(*json.loads(a.key)), blocks))
     return 0
   if a.summary:
-    print("\n".join(summary(tuning.read_log(a.log))))
+    print("\n".join(summary(read_rows(a.log))))
     return 0
   if a.from_log:
-    rows = tuning.read_log(a.log)
+    rows = read_rows(a.log)
   elif a.retry_failed:
     rows = [r if "error" not in r or R.TuningKey(*r["key"]).chip not in a.chips else
             _rate_in_child(R.TuningKey(*r["key"]), tuple(r["blocks"]), r["heuristic"],
-                           RETRY_MEMORY_BYTES) for r in tuning.read_log(a.log)]
-    tuning.write_log(a.log, rows)
+                           RETRY_MEMORY_BYTES) for r in read_rows(a.log)]
+    write_rows(a.log, rows)
   else:
     also = [tuple(int(x) for x in b.split(",")) for b in a.also]
     jobs = []
-    logged = {R.TuningKey(*r["key"]) for r in tuning.read_log(a.log)}
+    logged = {R.TuningKey(*r["key"]) for r in read_rows(a.log)}
     for key in grid(tuple(a.chips), tuple(a.models), tuple(a.weight_dtypes)):
       if a.unrated and key in logged:
         continue
@@ -438,8 +436,8 @@ def main(argv=None) -> int:
         jobs += [(key, b, i == 0) for i, b in enumerate(to_rate(key))]
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
       new_rows = list(pool.map(lambda job: _rate_in_child(*job), jobs))
-    rows = merged_log(tuning.read_log(a.log), new_rows)
-    tuning.write_log(a.log, rows)
+    rows = merged_log(read_rows(a.log), new_rows)
+    write_rows(a.log, rows)
   table = {dataclasses.astuple(k): v for k, v in table_from_ratings(rows).items()}
   tuning.write_tables(a.out, __file__, "ragged_dot", R.TuningKey, R.TUNED_VALUE_FIELDS, table,
                       CHIPS, TABLE_ABOUT)

@@ -1,6 +1,6 @@
 """Tunes flash attention's (block_q, block_k) with libtpu's static estimate; writes the table.
 
-    python benchmarks/tune_flash_attention.py [--chips v6e] [--from-log]
+    python benchmarks/tuning/flash_attention.py [--chips v6e] [--from-log]
 
 For every key of the grid below (chip, dtype, head_dim, group, sequence bucket: causal
 self-attention without a window, i.e. prefill), each (block_q, block_k) pair of
@@ -8,7 +8,7 @@ self-attention without a window, i.e. prefill), each (block_q, block_k) pair of
 chip's default scoped-VMEM limit or, where its plan for the key's group needs more,
 the smallest whole-MiB limit that fits it (up to the chip's maximum), and the one with
 the fewest cycles wins (ties: the larger blocks). A candidate is rated on the causal
-forward's MHA program, one head (benchmarks/attention_estimate.py: the GQA program rates
+forward's MHA program, one head (benchmarks/rating/flash_attention.py: the GQA program rates
 at 0 cycles; per query head the work is the same), at the bucket's length, or at
 MAX_RATED_SEQ for longer
 buckets (the estimator unrolls every grid step; per visited tile the cost is the same,
@@ -25,22 +25,23 @@ keeps the log's other rows; `--from-log` rebuilds the table without the estimato
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import math
-import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "kernels"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+if __name__ == "__main__":   # run as a script: import `benchmarks` from the repository root
+  sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-import tuning  # noqa: E402  (no jax)
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
 
-if "--rate" in sys.argv:   # the rating child needs the profile flag before jax loads
-  tuning.enable_static_profile()
+from benchmarks import RESULTS, read_rows, write_rows, tuning  # noqa: E402  (no jax)
+from benchmarks.estimator import children  # noqa: E402  (no jax)
+
+if __name__ == "__main__" and "--rate" in sys.argv:   # the rating child: before jax loads
+  children.enable_static_profile()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
@@ -53,7 +54,7 @@ TABLE_ABOUT = [
     "(block_q, block_k, vmem_limit_bytes) of flash attention for causal self-attention "
     "without a window, per key: the pair with the fewest cycles in libtpu's static estimate "
     "of the forward (rated on its MHA program, one head; see "
-    "benchmarks/tune_flash_attention.py), with the scoped-VMEM limit its plan needs (the "
+    "benchmarks/tuning/flash_attention.py), with the scoped-VMEM limit its plan needs (the "
     "chip's default, or more).",
     "Static estimates, not measurements: nothing here ran on a TPU.",
     "Keys are produced by flash_attention.tuning_key (tests/jax/test_flash_attention_tiling.py "
@@ -99,14 +100,14 @@ def rated_seq(key: F.TuningKey) -> int:
 
 def rate(chip: str, dtype: str, head_dim: int, seq: int, pairs) -> list[dict]:
   """Cycles of the one-head causal forward at each (block_q, block_k) (in this process)."""
-  import attention_estimate
-  import headline
   from tpu_kernels import aot
-  case = headline.Attention(seq=seq, q_heads=1, kv_heads=1, head_dim=head_dim, dtype=dtype)
+  from benchmarks.cases.headline import Attention
+  from benchmarks.rating import flash_attention as attention_rating
+  case = Attention(seq=seq, q_heads=1, kv_heads=1, head_dim=head_dim, dtype=dtype)
   rows = []
   for bq, bk in pairs:
     t = F.Tiling(bq, bk, vmem.resolve_vmem_limit(chips.get_chip(chip), None), 0)
-    fn, specs = attention_estimate.mha_program(seq, 1, case, t, chip)
+    fn, specs = attention_rating.mha_program(seq, 1, case, t, chip)
     report = aot.compile_for_chip(fn, specs, chip)
     rows.append(dict(chip=chip, dtype=dtype, head_dim=head_dim, seq=seq, block_q=bq,
                      block_k=bk, compiled=report.ok, error=report.error,
@@ -135,11 +136,12 @@ def rate_jobs(jobs: dict[tuple, set]) -> list[dict]:
   rows = []
   for (chip, dtype, head_dim, seq), pairs in sorted(jobs.items()):
     job = dict(chip=chip, dtype=dtype, head_dim=head_dim, seq=seq, pairs=sorted(pairs))
-    done, error = tuning.run_child(__file__, ["--rate", json.dumps(job)])
+    done, error = children.run_child(__file__, ["--rate", json.dumps(job)])
     if error or len(done) != len(pairs):
       done = []
       for pair in sorted(pairs):
-        one, error = tuning.run_child(__file__, ["--rate", json.dumps({**job, "pairs": [pair]})])
+        one, error = children.run_child(__file__,
+                                        ["--rate", json.dumps({**job, "pairs": [pair]})])
         done += one or [dict(chip=chip, dtype=dtype, head_dim=head_dim, seq=seq,
                              block_q=pair[0], block_k=pair[1], compiled=False, error=error,
                              estimated_cycles=None)]
@@ -151,24 +153,24 @@ def rate_jobs(jobs: dict[tuple, set]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  p = tuning.argument_parser(__doc__, ROOT / "benchmarks/results/flash_tuning.jsonl", CHIPS)
+  p = tuning.argument_parser(__doc__, RESULTS / "flash_tuning.jsonl", CHIPS)
   p.add_argument("--rate", help=argparse.SUPPRESS)   # internal: one rating job, ROW lines
   a = p.parse_args(argv)
   if a.rate:
     job = json.loads(a.rate)
     for row in rate(job["chip"], job["dtype"], job["head_dim"], job["seq"],
                     [tuple(x) for x in job["pairs"]]):
-      tuning.print_row(row)
+      children.print_row(row)
     return 0
   if a.from_log:
-    rows = tuning.read_log(a.log)
+    rows = read_rows(a.log)
   else:
     jobs: dict[tuple, set] = {}   # (chip, dtype, head_dim, rated seq) -> pairs to rate
     for key in grid(tuple(a.chips)):
       jobs.setdefault((key.chip, key.dtype, key.head_dim, rated_seq(key)), set()).update(
           candidates(key))
     rows = tuning.kept_rows(a.log, lambda r: r["chip"] in a.chips) + rate_jobs(jobs)
-    tuning.write_log(a.log, rows)
+    write_rows(a.log, rows)
   ratings = {(r["chip"], r["dtype"], r["head_dim"], r["seq"], r["block_q"], r["block_k"]):
              r["estimated_cycles"] for r in rows if r["compiled"] and r["estimated_cycles"]}
   table = {dataclasses.astuple(k): v for k, v in table_from_ratings(ratings).items()}

@@ -21,7 +21,7 @@ row ids, as moe_combine.gather_weighted_sum does for the combine. Two things dec
 
 Usage (a probe a process: libtpu's estimator aborts processes on some chips):
 
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/row_gather_probe.py [--chips v6e v5e]
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/probes/row_gather.py [--chips v6e v5e]
         [--tokens 8192] [--top-k 8] [--hidden 2048] [--block 512] [--probes NAME ...]
 
 It prints one `ROW {json}` line per (chip, probe) and a markdown table; about 10 s a probe
@@ -30,16 +30,19 @@ at the default (Qwen3-30B-A3B prefill) shape.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
-import tuning  # noqa: E402  (benchmarks/, on sys.path as the script's directory)
+if __name__ == "__main__":   # run as a script: import `benchmarks` from the repository root
+  sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+
+from benchmarks.estimator import children  # noqa: E402  (no jax)
 
 if __name__ == "__main__" and "--child" in sys.argv:
-  tuning.enable_static_profile()   # before jax loads
+  children.enable_static_profile()   # before jax loads
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -128,17 +131,17 @@ def main(argv=None) -> int:
   shape = ["--tokens", str(args.tokens), "--top-k", str(args.top_k),
            "--hidden", str(args.hidden), "--block", str(args.block)]
   if args.child:   # one (chip, probe) in this process
-    tuning.print_row(rate(args.chips[0], args.probes[0], args.tokens, args.top_k,
+    children.print_row(rate(args.chips[0], args.probes[0], args.tokens, args.top_k,
                           args.hidden, args.block))
     return 0
   rows = []
   for chip in args.chips:
     for probe in args.probes:
-      found, fatal = tuning.run_child(__file__, ["--child", "--chips", chip, "--probes", probe,
-                                                 *shape], timeout=900)
+      found, fatal = children.run_child(__file__, ["--child", "--chips", chip, "--probes", probe,
+                                                   *shape], timeout=900)
       rows += found or [{"chip": chip, "probe": probe, "error": f"aborted: {fatal}"}]
   for row in rows:
-    tuning.print_row(row)
+    children.print_row(row)
   print(f"\n{args.tokens} tokens x top-{args.top_k}, hidden {args.hidden}, {args.block} rows "
         "a step (static estimates)\n\n| chip | probe | cycles | µs | cycles / row | "
         "HBM floor µs |\n|---|---|---:|---:|---:|---:|")

@@ -1,10 +1,10 @@
 """Tunes paged attention's decode block_kv with libtpu's static estimate; writes the table.
 
-    python benchmarks/tune_paged_attention.py [--chips v6e] [--from-log] [--markdown]
+    python benchmarks/tuning/paged_attention.py [--chips v6e] [--from-log] [--markdown]
 
 For every key of the grid below (chip, cache dtype, page size, head_dim, KV heads), each
 block_kv candidate that the kernel allows (a multiple of the page size, at most 64 pages,
-within the VMEM budget) is rated with benchmarks/paged_estimate.py on a uniform decode
+within the VMEM budget) is rated with benchmarks/rating/paged_attention.py on a uniform decode
 batch (G = 4 query heads per KV head, 8192 tokens of context); the candidate with the
 fewest estimated cycles wins (ties: the larger block, fewer grid steps). Every
 candidate's estimate goes to benchmarks/results/paged_tuning.jsonl, and the winners to
@@ -22,30 +22,34 @@ compiles for v5e without the profile flag (tests/jax/test_paged_attention_aot.py
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+if __name__ == "__main__":   # run as a script: import `benchmarks` from the repository root
+  sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-import tuning  # noqa: E402  (no jax)
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
 
-if "--key" in sys.argv:   # the rating child needs the profile flag before jax loads
-  tuning.enable_static_profile()
+from benchmarks import RESULTS, read_rows, tuning, write_rows  # noqa: E402  (no jax)
+from benchmarks.estimator import children  # noqa: E402  (no jax)
 
-import paged_estimate  # noqa: E402
+if __name__ == "__main__" and "--key" in sys.argv:   # the rating child: before jax loads
+  children.enable_static_profile()
+
 import jax.numpy as jnp  # noqa: E402
 
 from tpu_kernels import chips, paged_attention as PA, vmem  # noqa: E402
+
+from benchmarks.cases.headline import PagedDecode  # noqa: E402
+from benchmarks.rating import paged_attention as paged_rating  # noqa: E402
 
 CHIPS = ("v5e", "v6e")
 TABLE_ABOUT = [
     "block_kv of ragged paged attention for decode (block_q 1), per key: the candidate with "
     "the fewest cycles in libtpu's static estimate of a uniform decode batch (8192 tokens of "
-    "context, 64 sequences, extrapolated from 2 and 4; see benchmarks/paged_estimate.py).",
+    "context, 64 sequences, extrapolated from 2 and 4; see benchmarks/rating/paged_attention.py).",
     "Static estimates, not measurements: nothing here ran on a TPU.",
     "Keys are produced by paged_attention.tuning_key (tests/jax/test_paged_attention_tiling.py "
     "checks every one).",
@@ -79,10 +83,10 @@ def candidates(key: PA.TuningKey) -> list[int]:
 
 def rate(key: PA.TuningKey, block_kv: int | None = None) -> list[dict]:
   """Every candidate of one key (or just `block_kv`), estimated in this process."""
-  case = paged_estimate.PagedDecode(CONTEXT, 64, GROUP * key.num_kv_heads, key.num_kv_heads,
-                                   key.head_dim, key.page_size, key.kv_dtype)
+  case = PagedDecode(CONTEXT, 64, GROUP * key.num_kv_heads, key.num_kv_heads,
+                     key.head_dim, key.page_size, key.kv_dtype)
   chosen = candidates(key) if block_kv is None else [block_kv]
-  return [paged_estimate.estimate(case, key.chip, b) for b in chosen]
+  return [paged_rating.estimate(case, key.chip, b) for b in chosen]
 
 
 def table_from_ratings(rows: list[dict]) -> dict[PA.TuningKey, int]:
@@ -119,7 +123,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-  p = tuning.argument_parser(__doc__, ROOT / "benchmarks/results/paged_tuning.jsonl", CHIPS)
+  p = tuning.argument_parser(__doc__, RESULTS / "paged_tuning.jsonl", CHIPS)
   p.add_argument("--markdown", action="store_true",
                  help="print the card's table of winners from --log (no estimator)")
   p.add_argument("--key", help=argparse.SUPPRESS)   # internal: rate one key, print JSON lines
@@ -127,25 +131,25 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
   if a.key:
     for row in rate(PA.TuningKey(*json.loads(a.key)), a.block_kv):
-      tuning.print_row(row)
+      children.print_row(row)
     return 0
   if a.markdown:
-    print(markdown(tuning.read_log(a.log)), end="")
+    print(markdown(read_rows(a.log)), end="")
     return 0
   if a.from_log:
-    rows = tuning.read_log(a.log)
+    rows = read_rows(a.log)
   else:
     rows = tuning.kept_rows(a.log, lambda r: r["key"][0] in a.chips)
     for key in grid(tuple(a.chips)):
       for block_kv in candidates(key):   # one child per candidate: the estimator may abort
-        found, error = tuning.run_child(__file__, ["--key", json.dumps(dataclasses.astuple(key)),
-                                                   "--block-kv", str(block_kv)])
+        found, error = children.run_child(
+            __file__, ["--key", json.dumps(dataclasses.astuple(key)), "--block-kv", str(block_kv)])
         row = found[0] if found else dict(block_kv=block_kv, estimated_cycles=None, error=error)
         row["key"] = list(dataclasses.astuple(key))
         rows.append(row)
         print(f"{key}: block_kv {block_kv}: {row['estimated_cycles']} cycles "
               f"{row.get('error') or ''}", flush=True)
-    tuning.write_log(a.log, rows)
+    write_rows(a.log, rows)
   table = {dataclasses.astuple(k): v for k, v in table_from_ratings(rows).items()}
   tuning.write_tables(a.out, __file__, "paged_attention", PA.TuningKey, PA.TUNED_VALUE_FIELDS,
                       table, CHIPS, TABLE_ABOUT)

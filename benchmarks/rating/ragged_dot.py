@@ -18,7 +18,14 @@ a power of two, as are the row blocks):
 
 Nothing in ragged_dot.py changes: the substitution patches `ragged_dot._field` while the
 kernel is traced.
-No side effects at import (benchmarks/estimate.py sets the profile flag, not this module).
+
+Rating (`rate_gmm`): the kernel's cycles at TRUNCATED_VISITS visits (identical per-visit
+work), extrapolated linearly to the case's visit count; HBM bytes by replaying the grid
+(`GmmCase.hbm_bytes`); the small kernel that builds the visit table is not rated (the
+estimator crashes on its loops). A grouped-matmul case (cases/) is rated as the kernel call
+the op makes for it (`gmm_case`); a w8a8 case adds the op that quantizes its rows
+(`with_lhs_quantization`). No side effects at import (the caller sets the profile
+flag).
 """
 
 from __future__ import annotations
@@ -26,20 +33,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import sys
-from pathlib import Path
 from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels"))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from tpu_kernels import aot, chips, ragged_dot as R
 
-from tpu_kernels import ragged_dot as R  # noqa: E402
+from benchmarks.cases.headline import GroupedMatmul
+from benchmarks.estimator.static_estimate import compile_on_chip
+from benchmarks.estimator.xla_cost import glue_part
+
+RATES = (GroupedMatmul,)   # the case kinds this method rates our kernel on (rating/ours.py)
 
 
-def _log2(x: int) -> int:
+def log2_exact(x: int) -> int:
   assert x > 0 and x & (x - 1) == 0, f"{x} is not a power of two"
   return x.bit_length() - 1
 
@@ -73,9 +82,9 @@ class BalancedTable:
     """Field `field` of visit v (v: int, numpy or traced int32)."""
     r, bm = self.rows, self.block_m
     if r <= bm:
-      group, tile = v, (v * r) >> _log2(bm)
+      group, tile = v, (v * r) >> log2_exact(bm)
     else:
-      group, tile = v >> _log2(r // bm), v
+      group, tile = v >> log2_exact(r // bm), v
     return {R._GROUP: group, R._TILE: tile, R._ROW_START: group * r,
             R._ROW_END: group * r + r, R._RHS_GROUP: group, R._LHS_TILE: tile,
             R._K_PIN: -1 + 0 * v}[field]
@@ -88,7 +97,7 @@ class BalancedTable:
   def group_sizes(self) -> jax.Array:
     """The routing this table is for: [total_groups or groups] int32 (the empty groups last)."""
     assert self.rows * self.groups == self.m
-    _log2(self.rows), _log2(self.block_m)
+    log2_exact(self.rows), log2_exact(self.block_m)
     total = self.total_groups or self.groups
     return jnp.zeros((total,), jnp.int32).at[:self.groups].set(self.rows)
 
@@ -288,51 +297,21 @@ class GmmCase:
     return max(flops / flops_per_s, weight_bytes / hbm_bytes_per_s) * clock_hz
 
 
-def xla_function(case: GmmCase):
-  """The XLA baseline: jax.lax.ragged_dot with weights in its native (G, k, n) layout
-  (no transpose charged to it), and the gated epilogue as a fused elementwise op.
-  Quantized weights are dequantised first (w * scale in bf16: lax.ragged_dot takes one
-  dtype), an XLA op of its own or fused, as XLA decides."""
-
-  def fn(lhs, w, *rest):
-    *scale, group_sizes = rest
-    if scale:
-      w = (w.astype(jnp.float32) * scale[0][:, None, :]).astype(lhs.dtype)
-    z = jax.lax.ragged_dot(lhs, w, group_sizes, preferred_element_type=jnp.float32)
-    if case.gated:
-      z = jax.nn.silu(z[:, :case.n_out]) * z[:, case.n_out:]
-    return z.astype(lhs.dtype)
-
-  dt = jnp.dtype(case.dtype)
-  n_full = case.num_rhs * case.n_out
-  scale = [jax.ShapeDtypeStruct((case.groups, n_full), jnp.float32)] if case.quantized else []
-  specs = [jax.ShapeDtypeStruct((case.m, case.k), dt),
-           jax.ShapeDtypeStruct((case.groups, case.k, n_full), case.rhs_dtype), *scale,
-           jax.ShapeDtypeStruct((case.groups,), jnp.int32)]
-  return fn, specs
-
-
-# How each model's experts call the kernel (scripts/ragged_dot_cases.py's MODELS): gpt-oss
-# stores (G, k, n) weights with interleaved gate/up columns; the others (G, n, k) in bf16,
-# and (G, k, n) once quantized (`quantize_experts_` stores 1-byte weights that way).
-INTERLEAVED_GATE_UP = ("gpt-oss-20b",)
-
-
-def gmm_case(case, chip: str) -> GmmCase:
-  """The kernel call the op makes for a headline.GroupedMatmul `case` (weights in the layout
-  the op gets them: int8 / fp8 always (G, k, n)): the gated kernel
-  for concatenated gate/up halves, and for gpt-oss's interleaved gate/up the route
+def gmm_case(case: GroupedMatmul, chip: str) -> GmmCase:
+  """The kernel call the op makes for a grouped-matmul `case` (weights in the layout the op
+  gets them: Transformers' (G, n, k) in bf16, int8 / fp8 always (G, k, n), as
+  `quantize_experts_` stores them, gpt-oss's (G, k, n) with interleaved gate/up columns,
+  `case.layout`): the gated kernel for
+  concatenated gate/up halves, and for gpt-oss's interleaved gate/up the route
   `ragged_dot.gate_up_route` picks ("gate_pass" at these sizes: the plain kernel to a
   float32 (m, 2I), gated by a second pass, not rated here)."""
-  interleaved = case.model in INTERLEAVED_GATE_UP
+  interleaved = case.layout == "interleaved"
   common = dict(chip=chip, dtype=case.dtype, weight_dtype=case.weight_dtype,
                 active_groups=case.active_groups if case.active_groups < case.groups else None,
                 transpose_rhs=not interleaved and not case.quantized,
                 lhs_quant=case.lhs_quant)
   if case.gated:
-    weight_bytes = case.groups * case.k * case.n_weight * jnp.dtype(case.weight_dtype).itemsize
-    route = R.gate_up_route(case.m, case.n_weight, "interleaved" if interleaved else
-                            "concatenated", weight_bytes)
+    route = R.gate_up_route(case.m, case.n_weight, case.layout, case.weight_bytes)
     if route == "gate_pass":
       return GmmCase(case.m, case.groups, case.k, case.n_weight, False, out_dtype="float32",
                      **common)
@@ -340,120 +319,60 @@ def gmm_case(case, chip: str) -> GmmCase:
   return GmmCase(case.m, case.groups, case.k, case.n_out, case.gated, **common)
 
 
-# ------------------------------------------------------------------ quantized decode table
-
-SPEEDUP_GOAL = 1.8        # issue 28: >= 1.8x faster than the best bf16 anchor's prediction
-QUANT_EFFICIENCY_GOAL = 0.85
+TRUNCATED_VISITS = (4, 8)
 
 
-def bf16_case_name(name: str) -> str:
-  """The bf16 row a quantized row is compared with: same model, part and m."""
-  for tag in (" int8 ", " fp8 ", " w8a8 "):
-    name = name.replace(tag, " bf16 ")
-  return name
+def rate_gmm(gmm: GmmCase, chip: str) -> dict:
+  """Kernel cycles extrapolated from truncated visit counts (identical per-visit work)."""
+  t, table = gmm.tiling(), gmm.table()
+  table.check(num_k_tiles=-(-gmm.k // t.block_k))
+  rated = []
+  for visits in TRUNCATED_VISITS:
+    text = compile_on_chip(gmm.function(visits), gmm.specs(), chip).as_text()
+    rated.append(sum(aot.mosaic_kernel_cycles(text)))
+  (v1, v2), (k1, k2) = TRUNCATED_VISITS, rated
+  per_visit = (k2 - k1) / (v2 - v1)
+  c = chips.get_chip(chip)
+  return dict(compiled=True, error=None,
+              estimated_cycles=round(k1 + per_visit * (table.num_visits - v1)),
+              hbm_bytes=gmm.hbm_bytes(),
+              method=f"static estimate at {TRUNCATED_VISITS} visits, extrapolated to "
+                     f"{table.num_visits}",
+              note="the small kernel that builds the visit table is not rated (the "
+                   "estimator crashes on its loops)",
+              cycles_per_visit=per_visit,
+              hand_cycles_per_visit=gmm.hand_cycles_per_visit(c.clock_hz, c.bf16_flops_per_s,
+                                                              c.hbm_bytes_per_s),
+              tiling=dict(block_m=t.block_m, block_k=t.block_k, block_n=t.block_n,
+                          vmem_limit_bytes=t.vmem_limit_bytes))
 
 
-def quantized_decode_table(rows: list[dict], case_names) -> str:
-  """Markdown: each quantized row of `case_names` (headline.QUANTIZED_DECODE's int8 / fp8
-  names) per chip against issue 28's goals, from estimate.py's rows (estimates.jsonl)."""
-
-  def predicted(case, chip, source=None, implementation=None):
-    return [r for r in rows if r["case"] == case and r["chip"] == chip and "predicted_us" in r
-            and (source is None or r["source"] == source)
-            and (implementation is None or implementation in r["implementation"])]
-
-  us = lambda x: "" if x is None else f"{x:,.1f}"
-  out = [f"| case | chip | ours µs | roofline µs | efficiency (>= {QUANT_EFFICIENCY_GOAL}) "
-         f"| best bf16 anchor µs | ours vs it (>= {SPEEDUP_GOAL}x) | tokamax quantized µs "
-         "| XLA µs | ours bf16 µs | goals met |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-  chips = sorted({r["chip"] for r in rows})
-  for case in case_names:
-    for chip in chips:
-      ours = predicted(case, chip, "ours")
-      if not ours:
-        failed = [r for r in rows if r["case"] == case and r["chip"] == chip
-                  and r["source"] == "ours"]
-        why = (failed[0].get("error") or "")[:120] if failed else "no row yet"
-        out.append(f"| {case} | {chip} | not rated: {why} |||||||||")
-        continue
-      o = ours[0]
-      bf16 = bf16_case_name(case)
-      anchors = predicted(bf16, chip, "anchor")
-      best = min(anchors, key=lambda r: r["predicted_us"], default=None)
-      speedup = best["predicted_us"] / o["predicted_us"] if best else None
-      tokamax = predicted(case, chip, "anchor", "tokamax")
-      xla = predicted(case, chip, "xla")
-      ours_bf16 = predicted(bf16, chip, "ours")
-      met = [f"efficiency {'met' if o['efficiency'] >= QUANT_EFFICIENCY_GOAL else 'missed'}",
-             "speed-up " + ("no bf16 anchor rated" if speedup is None else
-                            "met" if speedup >= SPEEDUP_GOAL else "missed")]
-      best_cell = "" if best is None else \
-          f"{us(best['predicted_us'])} ({best['implementation'].split(' (')[0]})"
-      out.append(
-          f"| {case} | {chip} | {us(o['predicted_us'])} | {us(o['roofline_us'])} "
-          f"| {o['efficiency']:.2f} | {best_cell} "
-          f"| {'' if speedup is None else f'{speedup:.2f}x'} "
-          f"| {us(min((r['predicted_us'] for r in tokamax), default=None))} "
-          f"| {us(xla[0]['predicted_us'] if xla else None)} "
-          f"| {us(ours_bf16[0]['predicted_us'] if ours_bf16 else None)} | {', '.join(met)} |")
-  return "\n".join(out) + "\n"
+def with_lhs_quantization(kernel: dict, case: GroupedMatmul, chip: str) -> dict:
+  """The kernel's row plus the op that quantizes lhs before it (`ragged_dot.quantize_rows`,
+  its kernel, compiled alone), as the layer estimate sums its parts: each part's time is
+  max(static cycles, HBM bytes at full bandwidth), the row's cycles their sum."""
+  c = chips.get_chip(chip)
+  lhs = jax.ShapeDtypeStruct((case.m, case.k), jnp.dtype(case.dtype))
+  quantize = glue_part(   # bf16 in, int8 codes and f32 scales out
+      functools.partial(R.quantize_rows, chip=chip), [lhs], chip,
+      min_bytes=case.m * case.k * 3 + case.m * 4, kernel_fed=True)
+  part_cycles = lambda cycles, nbytes: max(cycles, nbytes / c.hbm_bytes_per_s * c.clock_hz)
+  quantize_cycles = part_cycles(quantize["cycles"], quantize["hbm_bytes"])
+  row = dict(kernel)
+  row.update(
+      estimated_cycles=round(part_cycles(kernel["estimated_cycles"], kernel["hbm_bytes"])
+                             + quantize_cycles),
+      hbm_bytes=kernel["hbm_bytes"] + quantize["hbm_bytes"],
+      method=kernel["method"] + "; plus the quantization of lhs (quantize_rows, "
+             f"{quantize['ops']} op(s): {quantize['cycles']} cycles, {quantize['hbm_bytes']} "
+             "bytes), each part max(cycles, bytes) and summed",
+      kernel_cycles=kernel["estimated_cycles"], quantize_cycles=quantize["cycles"])
+  return row
 
 
-def why_not_rated(row: dict | None) -> str:
-  """A short cell for a row without a prediction: its error, named."""
-  if row is None:
-    return "no row"
-  error = row.get("error") or ""
-  if "CompileTimeScopedVmemOom" in error:
-    return "VMEM OOM"
-  if "Static LLO profiling" in error or "static estimator aborts" in error:
-    return "estimator aborts"
-  return "error"
-
-
-def tpu_inference_gmm_table(rows: list[dict], case_names) -> str:
-  """Markdown: tpu-inference's megablox gmm beside ours at each case of `case_names`
-  (headline.QUANTIZED_DECODE's names: bf16, int8 and fp8) per chip, from estimates.jsonl."""
-
-  def find(case, chip, match):
-    return next((r for r in rows if r["case"] == case and r["chip"] == chip and match(r)), None)
-
-  us = lambda r: f"{r['predicted_us']:,.1f}" if r and "predicted_us" in r else why_not_rated(r)
-  out = ["| case | chip | tpu-inference gmm µs | its efficiency | ours µs | roofline µs "
-         "| ours ÷ tpu-inference |", "|---|---|---:|---:|---:|---:|---:|"]
-  chips = sorted({r["chip"] for r in rows})
-  for case in case_names:
-    for chip in chips:
-      theirs = find(case, chip, lambda r: "tpu-inference megablox gmm" in r["implementation"])
-      ours = find(case, chip, lambda r: r["source"] == "ours")
-      rated = lambda r: r is not None and "predicted_us" in r
-      roofline = next((r["roofline_us"] for r in (ours, theirs) if r and r.get("roofline_us")),
-                      None)
-      efficiency = f"{theirs['efficiency']:.2f}" if rated(theirs) else ""
-      ratio = (f"{ours['predicted_us'] / theirs['predicted_us']:.2f}x"
-               if rated(ours) and rated(theirs) else "")
-      out.append(f"| {case.removeprefix('ragged_dot ')} | {chip} | {us(theirs)} "
-                 f"| {efficiency} | {us(ours)} "
-                 f"| {'' if roofline is None else f'{roofline:,.1f}'} | {ratio} |")
-  return "\n".join(out) + "\n"
-
-
-if __name__ == "__main__":
-  # python benchmarks/ragged_estimate.py [--tpu-inference | --w8a8] [estimates.jsonl]: the
-  # quantized decode table (or the tpu-inference gmm table, or the int8-activation rows'
-  # table) of docs/performance.md.
-  import json
-  import headline
-  args = sys.argv[1:]
-  versus_tpu_inference, w8a8 = "--tpu-inference" in args, "--w8a8" in args
-  args = [a for a in args if a not in ("--tpu-inference", "--w8a8")]
-  path = Path(args[0]) if args else Path(__file__).resolve().parent / "results" / "estimates.jsonl"
-  rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-  if versus_tpu_inference:
-    print(tpu_inference_gmm_table(rows, [c.name for c in headline.QUANTIZED_DECODE]), end="")
-  elif w8a8:
-    print(quantized_decode_table(rows, [c.name for c in headline.W8A8_DECODE]), end="")
-  else:
-    print(quantized_decode_table(rows, [c.name for c in headline.QUANTIZED_DECODE
-                                        if c.quantized]), end="")
+def rate(case: GroupedMatmul, chip: str) -> dict:
+  """Our kernel's partial row for a grouped-matmul case (rating/ours.py)."""
+  row = rate_gmm(gmm_case(case, chip), chip)
+  if case.lhs_quant:
+    row = with_lhs_quantization(row, case, chip)
+  return row

@@ -11,7 +11,7 @@ The probes are attention's matmuls at 1024 x 1024 blocks, head_dim 128 (s = q k^
 o = p v, and o^T = v^T p^T, the form the dq kernel uses for its ds k), next to a
 full-depth matmul of the same output size. Usage:
 
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/mxu_probe.py [--chips v6e v5e] [--probes NAME ...]
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/probes/mxu.py [--chips v6e v5e] [--probes NAME ...]
 
 It prints one `ROW {json}` line per (chip, probe) and a markdown table. About 10 s a
 probe.
@@ -19,15 +19,19 @@ probe.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
-import tuning  # noqa: E402  (benchmarks/, on sys.path as the script's directory)
+if __name__ == "__main__":   # run as a script: import `benchmarks` from the repository root
+  sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-tuning.enable_static_profile()
+import argparse  # noqa: E402
+import os  # noqa: E402
+
+from benchmarks.estimator import children  # noqa: E402  (no jax)
+
+if __name__ == "__main__":
+  children.enable_static_profile()   # before jax loads
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -91,7 +95,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   rows = [rate(c, p) for c in args.chips for p in args.probes]
   for row in rows:
-    tuning.print_row(row)
+    children.print_row(row)
   print("\n| chip | matmul | M x K x N | cycles / step | efficiency |\n|---|---|---|---:|---:|")
   for r in rows:
     eff = f"{r['efficiency']:.2f}" if "efficiency" in r else f"not rated ({r['error']})"

@@ -1,10 +1,11 @@
-"""Why libtpu's static estimator cannot rate tpu-inference's fused_moe v1 (docs/performance.md,
-tpu-inference): the kernel at a small Qwen3-30B-A3B-shaped case (4 tokens, 8 experts, top-8,
-hidden 2048, width 768; its own block sizes), compiled ahead of time with the static
-profile after each step of substitutions. Every step keeps the work of one chip:
+"""Why libtpu's static estimator cannot rate tpu-inference's fused_moe v1
+(docs/performance/tpu-inference.md): the kernel at a small Qwen3-30B-A3B-shaped case
+(4 tokens, 8 experts, top-8, hidden 2048, width 768; its own block sizes), compiled ahead
+of time with the static profile after each step of substitutions. Every step keeps the
+work of one chip:
 
-  as-is         `anchors_tpu_inference.FusedMoeSpec`'s program (its routing scratch read as
-                closed forms): the estimator returns 0 cycles.
+  as-is         `FusedMoeSpec`'s program (peers/tpu_inference_ops/fused_moe.py; its routing
+                scratch read as closed forms): the estimator returns 0 cycles.
   local-copies  + its remote copies (expert parallelism: rows for the mesh's other
                 devices, 0 of them on a 1-chip mesh) made local copies on the same send
                 semaphore, its barrier and `collective_id` dropped: the estimator now
@@ -16,24 +17,25 @@ profile after each step of substitutions. Every step keeps the work of one chip:
 
 Going further would change the kernel's DMA schedule, so the probe stops there.
 
-    .venv-tpu-inference/bin/python benchmarks/fused_moe_probe.py [--chip v6e]
+    .venv-tpu-inference/bin/python benchmarks/probes/fused_moe.py [--chip v6e]
 
 Each step compiles in a child (libtpu aborts the process); one line per step, in ~15 s.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import os
 import sys
 from pathlib import Path
-from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels"))
+if __name__ == "__main__":   # run as a script: import `benchmarks` from the repository root
+  sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-import tuning  # noqa: E402  (no jax)
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import os  # noqa: E402
+from unittest import mock  # noqa: E402
+
+from benchmarks.estimator import children  # noqa: E402  (no jax)
 
 STEPS = ("as-is", "local-copies", "f32-softmax")
 CASE = dict(model="Qwen3-30B-A3B (reduced)", tokens=4, experts=8, top_k=8, hidden=2048,
@@ -43,8 +45,8 @@ CASE = dict(model="Qwen3-30B-A3B (reduced)", tokens=4, experts=8, top_k=8, hidde
 @contextlib.contextmanager
 def substitutions(step: str):
   """The mocks of `step` and of the steps before it, on fused_moe's kernel module."""
-  import anchors_tpu_inference as TI
-  M = TI.kernel_module("fused_moe.v1.kernel")
+  from benchmarks.peers.tpu_inference_ops.common import kernel_module
+  M = kernel_module("fused_moe.v1.kernel")
   with contextlib.ExitStack() as stack:
     patch = lambda target, name, new: stack.enter_context(mock.patch.object(target, name, new))
     if STEPS.index(step) >= STEPS.index("local-copies"):
@@ -65,15 +67,17 @@ def substitutions(step: str):
 
 
 def child(step: str, chip: str) -> None:
-  tuning.enable_static_profile()   # before jax loads
-  import anchors
-  import anchors_tpu_inference as TI
-  import headline
-  spec = TI.FusedMoeSpec(headline.ExpertsLayer(**CASE))
-  with anchors.lowering(spec, chip), substitutions(step):
+  children.enable_static_profile()   # before jax loads
+  from benchmarks.cases.experts_layer import ExpertsLayer
+  from benchmarks.estimator import static_estimate
+  from benchmarks.peers import protocol
+  from benchmarks.peers.tpu_inference_ops.fused_moe import FusedMoeSpec
+  spec = FusedMoeSpec(ExpertsLayer(**CASE))
+  with protocol.lowering(spec, chip), substitutions(step):
     fn, specs = spec.build([0], chip)   # at the block sizes the kernel picks (`choose`)
-    cycles, kernels = anchors._kernel_cycles(anchors._compile(fn, specs, chip).as_text())
-  tuning.print_row(dict(cycles=cycles, kernels=kernels))
+    compiled = static_estimate.compile_on_chip(fn, specs, chip)
+    cycles, kernels = static_estimate.kernel_cycles(compiled.as_text())
+  children.print_row(dict(cycles=cycles, kernels=kernels))
 
 
 def main(argv=None) -> int:
@@ -85,10 +89,10 @@ def main(argv=None) -> int:
   if args.child:
     child(args.child, args.chip)
     return 0
-  env = tuning.child_env()
+  env = children.child_env()
   env.pop("TPU_LIBRARY_PATH", None)   # the venv's own libtpu 0.0.48
   for step in STEPS:
-    rows, error = tuning.run_child(__file__, ["--chip", args.chip, "--child", step],
+    rows, error = children.run_child(__file__, ["--chip", args.chip, "--child", step],
                                    timeout=600, env=env)
     result = error or f"{rows[-1]['cycles']:,} cycles in {rows[-1]['kernels']} kernel"
     print(f"{step:13s} {result}", flush=True)

@@ -1,18 +1,17 @@
-"""Plumbing shared by the estimator-driven tools (estimate.py, anchors.py, the tuners).
+"""One rating per child process: what every estimator-driven tool shares (benchmarks/estimate.py,
+the peers, the rating methods, the tuners, the probes).
 
 Every rating runs in a child process: libtpu's static estimator may abort the process
 (an LLO_CHECK is a fatal log line, not an exception), and its memory grows with every
 compile of a process. A child prints each result as one `ROW {json}` line on stdout;
 `run_child` collects them, and on failure returns the first fatal log line as the error.
-
-The tuners log every rating as JSON lines (`read_log`, `write_log`; re-rating some chips
-keeps the other chips' rows) and write their winners as the kernel's per-chip JSON tables
-(`write_tables`; the format and its reader: kernels/tpu_kernels/tuning_tables.py).
+A child is a script of this package (`python benchmarks/<path>.py`, in any venv: it puts the
+repository root on sys.path itself) that asks for the static profile (`enable_static_profile`)
+before it imports jax, where it wants cycles.
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import json
 import os
@@ -22,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 ROW_PREFIX = "ROW "
 PROFILE_FLAG = re.compile(r"--xla_jf_dump_static_llo_profile_to=\S+")
@@ -42,6 +41,17 @@ def enable_static_profile() -> None:
     os.environ["LIBTPU_INIT_ARGS"] = f"{args} --xla_jf_dump_static_llo_profile_to={directory}"
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+# A child's address-space cap where a rating may take all memory (some grouped-matmul tilings
+# make the estimator do so): the child fails with a row instead of the machine swapping.
+CHILD_MEMORY_BYTES = 12 << 30
+
+
+def limit_memory(nbytes: int = CHILD_MEMORY_BYTES) -> None:
+  """Called in a child: caps its address space at `nbytes` (RLIMIT_AS)."""
+  import resource
+  resource.setrlimit(resource.RLIMIT_AS, (nbytes, nbytes))
 
 
 def print_row(row: dict) -> None:
@@ -122,46 +132,3 @@ def _run_child_once(script, args, *, timeout, env, python) -> tuple[list[dict], 
   if not rows:
     return rows, f"no result: {fatal_line(result.stderr)}"
   return rows, None
-
-
-def argument_parser(doc: str, log: str | Path, chips: Iterable[str]) -> argparse.ArgumentParser:
-  """The options every tuner takes: where the tables and the log go, which chips to
-  re-rate, and rebuilding the tables from the log alone."""
-  from tpu_kernels import tuning_tables   # kernels/ is on sys.path in every tuner
-  p = argparse.ArgumentParser(description=doc.splitlines()[0])
-  p.add_argument("--out", default=str(tuning_tables.TABLES_DIR),
-                 help="directory of the <kernel>.<chip>.json tables (default: the kernels')")
-  p.add_argument("--log", default=str(log))
-  p.add_argument("--chips", nargs="+", default=list(chips),
-                 help="re-rate these chips; the log's rows for the others are kept")
-  p.add_argument("--from-log", action="store_true",
-                 help="rebuild the table from the ratings already in --log (no estimator)")
-  return p
-
-
-def read_log(path: str | Path) -> list[dict]:
-  path = Path(path)
-  if not path.exists():
-    return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def write_log(path: str | Path, rows: list[dict]) -> None:
-  Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def kept_rows(path: str | Path, replaced: Callable[[dict], bool]) -> list[dict]:
-  """The rows of the log at `path` that a new run does not replace."""
-  return [r for r in read_log(path) if not replaced(r)]
-
-
-def write_tables(out_dir: str | Path, tuner_file: str, kernel: str, key_type,
-                 value_fields: tuple[str, ...], table: dict[tuple, object],
-                 chips: Iterable[str], about: list[str]) -> None:
-  """Writes `table` ({(chip, *key): value}) as `kernel`'s JSON table per chip of `chips`
-  into `out_dir` (tuning_tables.write), naming `tuner_file` as their generator."""
-  from tpu_kernels import tuning_tables   # kernels/ is on sys.path in every tuner
-  paths = tuning_tables.write(Path(out_dir), kernel, key_type, value_fields, table,
-                              chips=tuple(chips), about=about,
-                              generated_by=f"python benchmarks/{Path(tuner_file).name}")
-  print(f"wrote {', '.join(str(p) for p in paths)} ({len(table)} entries)")

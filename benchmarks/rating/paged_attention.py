@@ -1,8 +1,9 @@
-"""Static estimate of a paged-attention decode step (uniform batch), for tuning and the card.
+"""Static estimate of a paged-attention decode step (uniform batch), for tuning and the card,
+and of a serving step (a PagedBatch: decodes and chunked-prefill chunks, windows).
 
-    python benchmarks/paged_estimate.py [--chip v6e] [--batch 64] [--context 2048]
-                                        [--heads 32 8] [--head-dim 128] [--page-size 64]
-                                        [--kv-dtype bfloat16] [--block-kv N ...]
+    python benchmarks/rating/paged_attention.py [--chip v6e] [--batch 64] [--context 2048]
+                                                [--heads 32 8] [--head-dim 128] [--page-size 64]
+                                                [--kv-dtype bfloat16] [--block-kv N ...]
 
 libtpu's estimator reads every SMEM value as 0: lengths and page ids of a paged kernel
 would all look empty. So the kernel is built through its internal `_call` with
@@ -28,20 +29,21 @@ estimates, not measurements.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "kernels"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import tuning  # noqa: E402  (no jax)
+if __name__ == "__main__":   # run as a script: import `benchmarks` from the repository root
+  sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-if __name__ == "__main__":   # run as a script: the profile flag must be set before jax loads
-  tuning.enable_static_profile()
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+
+from benchmarks.estimator import children  # noqa: E402  (no jax)
+
+if __name__ == "__main__":   # the profile flag must be set before jax loads
+  children.enable_static_profile()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -49,7 +51,12 @@ import jax.numpy as jnp  # noqa: E402
 
 from tpu_kernels import aot, chips, masking, paged_attention as PA  # noqa: E402
 
-from headline import ITEMSIZE, PagedBatch, PagedDecode  # noqa: E402
+from benchmarks.cases import ITEMSIZE  # noqa: E402
+from benchmarks.cases.headline import PagedDecode  # noqa: E402
+from benchmarks.cases.serving import PagedBatch  # noqa: E402
+from benchmarks.rating.roofline import prediction, roofline_us  # noqa: E402
+
+RATES = (PagedDecode, PagedBatch)   # the case kinds rated here (rating/ours.py)
 
 S = jax.ShapeDtypeStruct
 TRUNCATED_BATCHES = (2, 4)
@@ -143,18 +150,16 @@ def estimate(case: PagedDecode, chip: str, block_kv: int | None = None,
              manual_fetch: bool | None = None) -> dict:
   chip_ = chips.get_chip(chip)
   total, t, how, rated = _rated_cycles(case, chip, block_kv, manual_fetch)
-  compute_us = total / chip_.clock_hz * 1e6
   # Each item reads each of its pages once per KV head: the roofline's own bytes.
   hbm_bytes = case.min_bytes()
-  hbm_us = hbm_bytes / chip_.hbm_bytes_per_s * 1e6
-  roofline_us = max(case.flops() / chip_.bf16_flops_per_s * 1e6, hbm_us)
-  predicted_us = max(compute_us, hbm_us)
+  p = prediction(total, hbm_bytes, chip_)
+  roofline = roofline_us(case, chip_)
   return dict(kernel="paged-attention-tpu", name=case.name, chip=chip,
               block_kv=t.block_kv, pages_per_block=t.pages_per_block,
               manual_fetch=t.manual_fetch, truncated_cycles=rated, method="static estimate, " + how,
-              estimated_cycles=int(total), compute_us=compute_us, hbm_bytes=hbm_bytes,
-              hbm_us=hbm_us, predicted_us=predicted_us, roofline_us=roofline_us,
-              efficiency=roofline_us / predicted_us)
+              estimated_cycles=int(total), compute_us=p["compute_us"], hbm_bytes=hbm_bytes,
+              hbm_us=p["hbm_us"], predicted_us=p["predicted_us"], roofline_us=roofline,
+              efficiency=roofline / p["predicted_us"])
 
 
 # ----------------------------------------------------------------------------- serving batches
@@ -288,12 +293,9 @@ def estimate_batch(case: PagedBatch, chip: str, block_kv: int | None = None,
     rated.append(dict(floors=dict(zip(PA._ITEM_FIELDS, floors)), items=count,
                       cycles={str(b0): cycles[0], str(b1): cycles[1]}, per_item=per_item))
   total += max(fixed)[1]    # one launch: the fixed part of the most numerous class
-  compute_us = total / chip_.clock_hz * 1e6
   hbm_bytes = batch_hbm_bytes(case, t, tables["slot_pages"], tables["items"])
-  hbm_us = hbm_bytes / chip_.hbm_bytes_per_s * 1e6
-  predicted_us = max(compute_us, hbm_us)
-  roofline_us = max(case.flops() / chip_.bf16_flops_per_s * 1e6,
-                    case.min_bytes() / chip_.hbm_bytes_per_s * 1e6)
+  p = prediction(total, hbm_bytes, chip_)
+  roofline = roofline_us(case, chip_)
   how = (f"{len(tables['items']['rows'])} work items in {len(classes)} classes (items that "
          f"run the same blocks the same way), each class rated as a uniform batch at "
          f"{TRUNCATED_BATCHES} items and extrapolated to its count; HBM by replaying the "
@@ -301,20 +303,23 @@ def estimate_batch(case: PagedBatch, chip: str, block_kv: int | None = None,
   return dict(kernel="paged-attention-tpu", name=case.name, chip=chip, block_q=t.block_q,
               block_kv=t.block_kv, pages_per_block=t.pages_per_block, classes=rated,
               method="static estimate, " + how, estimated_cycles=int(total),
-              compute_us=compute_us, hbm_bytes=hbm_bytes, hbm_us=hbm_us,
-              predicted_us=predicted_us, roofline_us=roofline_us,
-              efficiency=roofline_us / predicted_us)
+              compute_us=p["compute_us"], hbm_bytes=hbm_bytes, hbm_us=p["hbm_us"],
+              predicted_us=p["predicted_us"], roofline_us=roofline,
+              efficiency=roofline / p["predicted_us"])
 
 
-def xla_program(case: PagedDecode):
-  """(fn, specs): paged_attention_xla (gathers each sequence's pages) on the decode batch."""
-  pages_per_seq = -(-case.context // case.page_size)
-  num_pages = case.batch * pages_per_seq
-  cache = S((num_pages, case.kv_heads, case.page_size, case.head_dim), jnp.dtype(case.kv_dtype))
-  specs = [S((case.batch, case.q_heads, case.head_dim), jnp.dtype(case.q_dtype)), cache, cache,
-           S((case.batch,), jnp.int32), S((case.batch, pages_per_seq), jnp.int32),
-           S((case.batch + 1,), jnp.int32)]
-  return PA.paged_attention_xla, specs
+def rate(case, chip: str) -> dict:
+  """Our kernel's partial row for a paged decode or serving case (rating/ours.py)."""
+  if isinstance(case, PagedBatch):
+    r = estimate_batch(case, chip)
+    return dict(compiled=True, error=None, estimated_cycles=r["estimated_cycles"],
+                hbm_bytes=r["hbm_bytes"], method=r["method"],
+                tiling=dict(block_q=r["block_q"], block_kv=r["block_kv"],
+                            pages_per_block=r["pages_per_block"]), classes=r["classes"])
+  r = estimate(case, chip)
+  return dict(compiled=True, error=None, estimated_cycles=r["estimated_cycles"],
+              hbm_bytes=r["hbm_bytes"], method=r["method"],
+              tiling=dict(block_kv=r["block_kv"], pages_per_block=r["pages_per_block"]))
 
 
 def main(argv=None) -> int:

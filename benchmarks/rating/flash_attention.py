@@ -1,5 +1,6 @@
 """Static estimate of flash-attention-tpu's forward at an attention case: causal
-(headline.Attention, GQA) or non-causal (headline.JointAttention, Diffusers' shapes, MHA).
+(cases/headline.py's Attention, GQA) or non-causal (cases/diffusion.py's JointAttention,
+Diffusers' shapes, MHA).
 
 Why a proxy. The kernel views q as [B, Hkv, G, S, D] and holds the G query heads of a
 KV head in one (G, block_q, D) block, so each K/V block is loaded once per group.
@@ -46,19 +47,20 @@ same tail (same partial, masked last blocks).
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels"))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+from tpu_kernels import aot, flash_attention as F
 
-from tpu_kernels import aot, flash_attention as F  # noqa: E402
+from benchmarks.cases.diffusion import JointAttention
+from benchmarks.cases.headline import Attention
 
+RATES = (Attention, JointAttention)   # the case kinds rated here (rating/ours.py)
 S = jax.ShapeDtypeStruct
 MAX_RATED_SEQ = 8192
-RATED_HEADS = (2, 4)   # one head alone can rate differently from the next (anchors.py)
+# one head alone can rate differently from the next (peers/jax_ops/attention.py)
+RATED_HEADS = (2, 4)
 
 
 def tiling(case, chip: str) -> F.Tiling:
@@ -193,10 +195,4 @@ def estimate(case, chip: str) -> dict:
   return row
 
 
-def xla_program(case):
-  """(fn, specs): jax.nn.dot_product_attention (causal as the case), in its [B, S, H, D]
-  layout (GQA by its own head grouping)."""
-  dtype = jnp.dtype(case.dtype)
-  q = S((case.batch, case.seq, case.q_heads, case.head_dim), dtype)
-  kv = S((case.batch, case.seq, case.kv_heads, case.head_dim), dtype)
-  return functools.partial(jax.nn.dot_product_attention, is_causal=case.causal), [q, kv, kv]
+rate = estimate   # our kernel's partial row for an attention case (rating/ours.py)
