@@ -1,5 +1,6 @@
 """How much of the MXU's peak one matmul of flash attention's shapes gets, in libtpu's
-static estimate: the evidence behind docs/performance.md's account of the v6e attention gap.
+static estimate: the evidence behind docs/performance/flash-attention.md's account of the v6e
+attention gap.
 
 Each probe is a Pallas kernel that runs one `lax.dot_general` of two bf16 blocks held in
 VMEM per grid step (STEPS steps over the same blocks: no DMA after the first) and stores

@@ -1,6 +1,6 @@
 """What the experts layer's row gather costs as row DMAs, against XLA's gather, in libtpu's
-static estimate: the evidence behind docs/performance.md's verdict on fusing moe.route's
-gather into the gate/up kernel (issue 28, item 3).
+static estimate: the evidence behind docs/performance/experts-layer.md's verdict on fusing
+moe.route's gather into the gate/up kernel (issue 28, item 3).
 
 At prefill moe.route gathers x[T, H] into the T*K rows of the sorted (token, expert) pairs
 (Qwen3-30B-A3B, 8192 tokens x top-8: 65,536 rows of 2048 bfloat16, 268 MB written). A fused

@@ -8,12 +8,15 @@ calibration.md from calibration.jsonl.
 Generated blocks: a docs page holds a table made from results between
 
     <!-- generated: NAME (python benchmarks/report.py) -->
-    ...
+
+    ...the table...
+
     <!-- end generated -->
 
-`write_blocks` replaces each block's lines with `TABLES[NAME]()`; `blocks` reads what a page
-holds now (tests compare). A block stands where the prose that reads it is; moving it is a
-docs edit, regenerating it is this module's.
+`write_blocks` replaces each block's lines with `block(NAME)` (the table between two blank
+lines); `blocks` reads what a page holds now (tests compare). A block stands where the prose
+that reads it is; moving it is a docs edit, regenerating it is this module's. Each kernel
+(`case.kernel` over `cases.all_cases()`) has its `summary-<kernel>` table, found by code.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ TABLES = {
     "tpu-inference-gmm": lambda: tables.tpu_inference_gmm_table(
         _rows(), [c.name for c in QUANTIZED_DECODE]),
     "experts-layer": lambda: tables.experts_layer_table(_rows()) + "\n",
+    "jax012-targets": lambda: "\n".join(
+        estimates.targets(read_rows(RESULTS / "jax012" / "estimates.jsonl"))[2:]) + "\n",
     "seed": lambda: tables.seed_table(_seed()) + "\n",
     "seed-parts": lambda: tables.seed_parts_table(_seed()) + "\n",
     **{f"summary-{kernel}": _kernel_table(kernel)
@@ -85,6 +90,11 @@ def pages() -> list[Path]:
   return sorted(DOCS.rglob("*.md"))
 
 
+def block(name: str) -> str:
+  """What the block NAME holds: its table, between blank lines."""
+  return "\n" + TABLES[name]() + "\n"
+
+
 def blocks(path: Path) -> dict[str, str]:
   """{name: the text a page's block holds now}."""
   return {m.group(1): m.group(2) for m in BLOCK.finditer(path.read_text())}
@@ -96,7 +106,7 @@ def write_blocks() -> list[Path]:
   for path in pages():
     text = path.read_text()
     new = BLOCK.sub(lambda m: (f"<!-- generated: {m.group(1)} (python benchmarks/report.py) "
-                               f"-->\n{TABLES[m.group(1)]()}<!-- end generated -->"), text)
+                               f"-->\n{block(m.group(1))}<!-- end generated -->"), text)
     if new != text:
       path.write_text(new)
       changed.append(path)

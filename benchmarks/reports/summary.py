@@ -1,9 +1,10 @@
 """docs/performance.md's opening: the answer, one table per kernel, from results/estimates.jsonl.
 
-For each kernel (a Hub repo: `case.kernel`), its headline cases row by row, per chip: our
-prediction, its efficiency against the target, the best other implementation rated beside
-it (XLA's or a peer's) and ours against it, exactly as results/estimates.md's targets table
-has them (reports/estimates.py). Then each other family of the kernel's cases (cases/) in
+For each kernel (a Hub repo: `case.kernel`), its headline cases (or, for a kernel with none,
+its first family's) row by row, per chip: our prediction, its efficiency against the target,
+the best other implementation rated beside it (XLA's or a peer's) and ours against it,
+exactly as results/estimates.md's targets table has them (reports/estimates.py). Then each
+other family of the kernel's cases (cases/) in
 one row per chip: how many cases, the range of our predictions and efficiencies, how many
 meet the target, and the range of ours against the best other, with how many are slower.
 Every number is a row's own, formatted as estimates.md formats it.
@@ -64,15 +65,15 @@ def family_rows(rows: list[dict], family, kernel: str) -> list[str]:
 
 
 def kernel_table(rows: list[dict], kernel: str) -> str:
-  """Markdown: the kernel's headline rows (estimates.md's targets table), then its other
+  """Markdown: the kernel's leading family row by row (estimates.md's targets table; the
+  headline's, or for a kernel with no headline cases its first family's), then its other
   families in ranges."""
   family_of = _family_of()
-  headline = [r for r in rows if r["kernel"] == kernel
-              and family_of.get(r["case"]) is cases.families()[0]]
-  lines = targets(headline)
+  lead, *others = [f for f in cases.families() if any(c.kernel == kernel for c in f.CASES)]
+  leading = [r for r in rows if r["kernel"] == kernel and family_of.get(r["case"]) is lead]
+  lines = targets(leading)
   start = lines.index(TARGETS_HEADER)
   out = lines[start:]
-  others = [f for f in cases.families()[1:] if any(c.kernel == kernel for c in f.CASES)]
   if others:
     out += ["", "| family | chip | ours µs | efficiency | target met | ours vs best other |",
             "|---|---|---:|---:|---:|---:|"]

@@ -330,8 +330,8 @@ def table_from_ratings(rows: list[dict]) -> dict[R.TuningKey, tuple[int, int, in
 
 
 def summary(rows: list[dict]) -> list[str]:
-  """docs/performance.md's table, from the ratings: per key, efficiency (roofline / prediction) at
-  balanced / unaligned routing of the heuristic's pick and of the table's entry."""
+  """docs/performance/ragged-dot.md's table, from the ratings: per key, efficiency (roofline /
+  prediction) at balanced / unaligned routing of the heuristic's pick and of the table's entry."""
   table = table_from_ratings(rows)
   lines = ["| chip | model | m | part | heuristic | tuned | blocks |", "|---|---|---:|---|---|---|---|"]
   by_shape = {model_shape(name): name for name in MODELS}
@@ -404,7 +404,8 @@ def main(argv=None) -> int:
   p.add_argument("--unrated", action="store_true",
                  help="rate only the keys the log holds no rating of (keys new to the grid)")
   p.add_argument("--summary", action="store_true",
-                 help="print the efficiency table of the log's ratings (docs/performance.md's) and exit")
+                 help="print the efficiency table of the log's ratings (docs/performance/"
+                      "ragged-dot.md's) and exit")
   a = p.parse_args(argv)
   if a.key:
     # some blocks make the estimator take all memory: fail the row instead

@@ -197,8 +197,8 @@ def test_a_rerun_keeps_a_keys_other_ratings_and_replaces_its_heuristic():
 
 def test_summary_rates_against_the_roofline_and_is_the_performance_page_table():
   """`benchmarks/tuning/ragged_dot.py --summary` divides the roofline by each prediction
-  (capped at 1);
-  docs/performance.md's table is its output for the shipped log, one row per tuned key."""
+  (capped at 1); docs/performance/ragged-dot.md's table is its output for the shipped log, one
+  row per tuned key."""
   from benchmarks import ROOT, read_rows
   from benchmarks.tuning import ragged_dot as T
   key = R.TuningKey("v6e", "bfloat16", "bfloat16", 1, 8192, 768, 2048, 128)
@@ -216,7 +216,7 @@ def test_summary_rates_against_the_roofline_and_is_the_performance_page_table():
 
   shipped = T.summary(read_rows(ROOT / "benchmarks/results/ragged_tuning.jsonl"))
   assert len(shipped) == 2 + len(T.grid())
-  performance = (ROOT / "docs" / "performance.md").read_text()
+  performance = (ROOT / "docs" / "performance" / "ragged-dot.md").read_text()
   assert "\n".join(shipped) in performance
 
 
