@@ -21,7 +21,8 @@ scales (the int8 row's XLA baseline, which dequantizes the weights, is the compa
 
 Every program but RMSNorm's is rated by XLA's cost_analysis (estimator/xla_cost.py: the
 static estimator crashes on ragged_dot and takes >300 s / 19 GB on attention): a lower
-bound for XLA. A new case kind gets its XLA row by an entry in `PROGRAMS`.
+bound for XLA. A new case kind gets its XLA row by an entry in `PROGRAMS` (its row name, its
+program builder, and STATIC or COST).
 """
 
 from __future__ import annotations
@@ -130,24 +131,26 @@ def experts_layer_program(case: ExpertsLayer):
   return fn, specs
 
 
-# case kind -> (row name, program builder); RMSNorm's is rated as a whole program (static
-# estimate, like ours), every other by cost_analysis.
+# How an XLA program is rated: the static estimate of the whole program, as ours (where the
+# estimator takes it), or XLA's cost_analysis (it crashes on ragged_dot and takes >300 s /
+# 19 GB on attention).
+STATIC, COST = "static estimate", "cost_analysis"
+# case kind -> (row name, program builder, how it is rated)
 PROGRAMS = {
-    RmsNorm: ("xla (jnp)", rms_norm_program),
-    GroupedMatmul: ("xla (lax.ragged_dot)", grouped_matmul_program),
-    Attention: ("xla (nn.dot_product_attention)", attention_program),
-    JointAttention: ("xla (nn.dot_product_attention)", attention_program),
-    PagedDecode: ("xla (gather + softmax)", paged_decode_program),
-    ExpertsLayer: ("xla (lax.ragged_dot layer)", experts_layer_program),
+    RmsNorm: ("xla (jnp)", rms_norm_program, STATIC),
+    GroupedMatmul: ("xla (lax.ragged_dot)", grouped_matmul_program, COST),
+    Attention: ("xla (nn.dot_product_attention)", attention_program, COST),
+    JointAttention: ("xla (nn.dot_product_attention)", attention_program, COST),
+    PagedDecode: ("xla (gather + softmax)", paged_decode_program, COST),
+    ExpertsLayer: ("xla (lax.ragged_dot layer)", experts_layer_program, COST),
 }
-WHOLE_PROGRAM = (RmsNorm,)
 
 
 def implementations(case) -> list[protocol.Implementation]:
   if type(case) not in PROGRAMS or getattr(case, "lhs_quant", None):
     return []
-  name, program = PROGRAMS[type(case)]
-  if isinstance(case, WHOLE_PROGRAM):
+  name, program, rated_by = PROGRAMS[type(case)]
+  if rated_by == STATIC:
     rate = lambda chip: static_estimate.whole_program(*program(case), chip, case.min_bytes())
     return [protocol.Implementation(case.name, name, protocol.XLA, rate)]
   rate = lambda chip: xla_cost(lambda: program(case), chip)
