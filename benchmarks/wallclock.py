@@ -62,30 +62,33 @@ and refuses to run anywhere else; only the smoke mode has been run.
 
 from __future__ import annotations
 
-import argparse
-import atexit
-import dataclasses
-import functools
-import json
-import os
-import shutil
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
-from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "kernels"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+if __name__ == "__main__":   # run as a script: import `benchmarks` from the repository root
+  sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse  # noqa: E402
+import atexit  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import headline  # noqa: E402
+from benchmarks import RESULTS, ROOT  # noqa: E402  (first: it puts kernels/ on sys.path)
+from benchmarks.cases import headline  # noqa: E402
 from tpu_kernels import chips, flash_attention, paged_attention, ragged_dot, rms_norm  # noqa: E402
+from benchmarks.rating.roofline import roofline_us  # noqa: E402
+from benchmarks.reports import wallclock as report  # noqa: E402
 
 SMOKE_MODE = "smoke (CPU, interpret mode: not a performance number)"
 TPU_MODE = "tpu"
@@ -359,8 +362,8 @@ def bench_case(case, *, smoke: bool, chip: str, warmup: int, repeats: int,
                times_us=[round(t, 3) for t in timing.times_us],
                tflops_per_s=run.flops() / seconds / 1e12, gb_per_s=run.min_bytes() / seconds / 1e9)
     if peak is not None:
-      roofline_us = headline.roofline_us(run, peak)
-      row.update(roofline_us=roofline_us, roofline_fraction=roofline_us / timing.median_us)
+      roofline = roofline_us(run, peak)
+      row.update(roofline_us=roofline, roofline_fraction=roofline / timing.median_us)
     rows.append(row)
   kernel_row, baseline = rows[0], impls[1].name
   if "pallas" in outputs and baseline in outputs:
@@ -473,49 +476,7 @@ def bench_decode(*, smoke: bool, model_id: str, stock: tuple[str, ...], batch: i
   return rows
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def _fmt(x, spec):
-  return "" if x is None else format(x, spec)
-
-
-def markdown(rows: list[dict]) -> str:
-  """Kernel rows and end-to-end rows as two markdown tables."""
-  lines = []
-  kernel_rows = [r for r in rows if "experts" not in r]
-  if kernel_rows:
-    lines += ["| case | impl | run shape | median µs | min µs | TFLOP/s | GB/s | of roofline "
-              "| check |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
-    for r in kernel_rows:
-      check = r.get("check")
-      verdict = "" if check is None else (
-          "n/a" if check["passed"] is None else
-          f"{'ok' if check['passed'] else 'FAIL'} (max err {check.get('max_abs_err', 0):.2g})")
-      if r["error"]:
-        lines.append(f"| {r['case']} | {r['implementation']} | {r['shape']} | failed: "
-                     f"{r['error']} ||||| {verdict} |")
-        continue
-      lines.append(
-          f"| {r['case']} | {r['implementation']} | {r['shape']} | {r['median_us']:,.1f} "
-          f"| {r['min_us']:,.1f} | {r['tflops_per_s']:.3g} | {r['gb_per_s']:.3g} "
-          f"| {_fmt(r.get('roofline_fraction'), '.2f')} | {verdict} |")
-  e2e_rows = [r for r in rows if "experts" in r]
-  if e2e_rows:
-    if lines:
-      lines.append("")
-    lines += ["| model | experts | shape | median s | tokens/s | decode tokens/s | "
-              "same tokens as kernel |", "|---|---|---|---:|---:|---:|---|"]
-    match = e2e_rows[0].get("tokens_match", {})
-    for r in e2e_rows:
-      if r["error"]:
-        lines.append(f"| {r['case']} | {r['implementation']} | failed: {r['error']} |||||")
-        continue
-      same = "(kernel)" if r["experts"] == KERNEL_EXPERTS else str(match.get(r["experts"]))
-      lines.append(f"| {r['case']} | {r['implementation']} | {r['shape']} "
-                   f"| {r['median_us'] * 1e-6:.3f} | {r['tokens_per_s']:.1f} "
-                   f"| {_fmt(r['decode_tokens_per_s'], '.1f')} | {same} |")
-  return "\n".join(lines) + "\n"
+# ----------------------------------------------------------------------------- verdict
 
 
 def failures(rows: list[dict], smoke: bool) -> list[str]:
@@ -544,7 +505,7 @@ def main(argv=None) -> int:
                       help="decode with a MoE model; without --cases, skips the kernels")
   parser.add_argument("--repeats", type=int, help="timed calls (default 20; smoke 2)")
   parser.add_argument("--warmup", type=int, help="untimed calls first (default 3; smoke 1)")
-  parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+  parser.add_argument("--out", type=Path, default=RESULTS)
   parser.add_argument("--chip", choices=list(chips.CHIPS),
                       help="override the generation read from the device kind")
   parser.add_argument("--model", default=DEFAULT_MODEL, help="Qwen3-MoE model id (TPU only)")
@@ -609,7 +570,7 @@ def main(argv=None) -> int:
                      implementation="end to end", experts=None,
                      error=f"{type(e).__name__}: {e}"[:300])])
   print(f"\nmode: {mode}\n")
-  print(markdown(rows))
+  print(report.markdown(rows, KERNEL_EXPERTS))
   print(f"rows written to {path}")
   bad = failures(rows, args.smoke)
   for line in bad:

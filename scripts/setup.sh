@@ -8,12 +8,13 @@
 #                   cp311 only) on torch 2.13.0 CPU, jax 0.10.2, libtpu 0.0.52 and kernels 0.19.1; never autoloaded
 #                   (TORCH_DEVICE_BACKEND_AUTOLOAD=0): tests/torchtpu runs there (scripts/test.sh)
 #   .venv-tokamax/  Python 3.11, requirements-tokamax.txt (tokamax 0.0.12 on the main stack's jax and
-#                   libtpu): only benchmarks/anchors.py's tokamax children run there
+#                   libtpu): only the tokamax peer's children run there (benchmarks/peers/)
 #   .venv-tokamax-jax012/  Python 3.12, requirements-tokamax-jax012.txt (tokamax 0.0.17 on the
-#                   TorchTPU stack): the same, for anchors.py run from .venv-jax012
+#                   TorchTPU stack): the same, for benchmarks/estimate.py run from .venv-jax012
 #   .venv-tpu-inference/  Python 3.12, requirements-tpu-inference.txt (tpu-inference 0.32.0, vLLM's
 #                   TPU kernels, on the jax 0.11.2 / libtpu 0.0.48 it pins), installed --no-deps:
-#                   only benchmarks/anchors_tpu_inference.py's children run there (from either stack)
+#                   only the tpu-inference peer's children run there (benchmarks/peers/tpu_inference_ops/,
+#                   from either stack)
 #
 # Only pip reaches the network (the package index): the installs, and the dry run that checks the
 # README's TPU-VM install line (scripts/check_install_line.py). Everything after it runs with

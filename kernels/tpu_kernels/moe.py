@@ -124,7 +124,7 @@ def moe_experts(hidden: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Ar
 
 
 # The glue around the two kernels, as functions of their own so that the static estimate of
-# the whole layer (benchmarks/experts_layer_estimate.py) rates exactly these ops.
+# the whole layer (benchmarks/rating/experts_layer.py) rates exactly these ops.
 
 
 def route(hidden: jax.Array, top_k_index: jax.Array, num_experts: int, *,
@@ -159,7 +159,7 @@ def sort_pairs_xla(top_k_index: jax.Array, num_experts: int):
   """Steps 1-3 by XLA's stable argsort: top_k_index [T, K] int -> (pos [S] int32, pair ->
   its sorted row; src [S] int32, sorted row -> its token; group_sizes [num_experts] int32).
   `route` away from decode, and the route of the XLA baseline layer
-  (benchmarks/experts_layer_estimate.py)."""
+  (benchmarks/rating/experts_layer.py)."""
   top_k = top_k_index.shape[1]
   # Flatten, sort by expert (every id outside the experts as one past the last), count.
   expert_ids = top_k_index.reshape(-1).astype(jnp.int32)                 # [S]
@@ -192,7 +192,7 @@ def combine(y: jax.Array, pos: jax.Array, top_k_weights: jax.Array, *,
 def combine_xla(y: jax.Array, ids: jax.Array, top_k_weights: jax.Array) -> jax.Array:
   """The same sum by XLA's gather: y [S, H] float32, ids [T, K] (pair -> sorted position),
   top_k_weights [T, K] -> [T, H] float32. The kernel's backward, its fallback, and the
-  combine of the XLA baseline layer (benchmarks/experts_layer_estimate.py)."""
+  combine of the XLA baseline layer (benchmarks/rating/experts_layer.py)."""
   tokens, top_k = ids.shape
   # Gathered k-major, [K, T, H], so the sum over K adds whole [T, H] slabs (token-major
   # [T, K, H] sums across sublanes: libtpu's static estimate rates it 1.4x the cycles at

@@ -30,7 +30,7 @@ Why the route's gather is not row DMAs (past decode it is XLA's; at decode
 moe_route's one-hot matmuls): the same row DMAs cannot move one bfloat16 row
 (Mosaic: a bf16 HBM row slice is not aligned to its (16, 128) tiles), and packed as uint32
 words they rate 882 us on v6e at Qwen3's prefill (plus 69 us of packing) against 291 us
-for XLA's gather alone (benchmarks/row_gather_probe.py).
+for XLA's gather alone (benchmarks/probes/row_gather.py).
 """
 
 from __future__ import annotations

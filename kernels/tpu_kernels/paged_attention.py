@@ -63,7 +63,7 @@ manual_fetch=False each page slot is instead its own BlockSpec whose index map r
 slot_pages, and Pallas double-buffers them like any block: index maps run for every slot
 at every step, twice, and the per-block bookkeeping came to about 150-190 estimated
 cycles per page on v6e, whatever block_kv: 739 µs against 312 µs fetched by hand at page
-16 for a 64 x 2k decode step (libtpu's static estimates, benchmarks/paged_estimate.py).
+16 for a 64 x 2k decode step (libtpu's static estimates, benchmarks/rating/paged_attention.py).
 
 Skipping. Each item needs only the keys from its first query's window start (0 without
 a window) to its last query's position. Steps past that range repeat the last block's
@@ -134,7 +134,7 @@ _BLOCK_KV_CANDIDATES = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)
 # the chip's default limit; raised only as far as the plan needs). Every item re-reads its
 # sequence's pages, so prefill chunks and mixed steps want big items and big kv blocks.
 # Static estimates of a mixed step (60 decodes + 4 x 512 prefill, 32/8 heads x 128, page
-# 64; benchmarks/paged_estimate.py), block_q / block_kv -> µs:
+# 64; benchmarks/rating/paged_attention.py), block_q / block_kv -> µs:
 #   v6e: 64 / 512 (the old default) 686; 64 / 1024 581; 128 / 512 706; 128 / 1024 603
 #   v5e: 32 / 256 (the old default) 1,402; 32 / 1024 1,282; 64 / 1024 1,031 (HBM-bound);
 #        128 / 1024 1,000
@@ -426,7 +426,7 @@ class _Static:
   group: int              # G: query heads per KV head
   vmem_limit_bytes: int
   interpret: bool
-  # Static estimates only (benchmarks/paged_estimate.py): libtpu's estimator reads every
+  # Static estimates only (benchmarks/rating/paged_attention.py): libtpu's estimator reads every
   # SMEM value as 0, so with floors set each per-item value is read as max(value, floor)
   # (_ITEM_FIELDS order). A uniform batch's floors equal its values: nothing changes on
   # hardware, and the estimator sees the real trip counts.

@@ -84,7 +84,7 @@ block_m near the mean group size (few wasted MXU rows at decode), block_n as lar
 as the budget allows in multiples of 256 (the v6e MXU width). Where every such block_n
 pads n (no multiple of 128 divides it: gpt-oss's 2880), a visit takes the whole weight
 instead, under a raised scoped-VMEM limit, if the chip holds it. For the shapes in the
-tuning tables (`tuned/ragged_dot.<chip>.json`, written by benchmarks/tune_ragged_dot.py from
+tuning tables (`tuned/ragged_dot.<chip>.json`, written by benchmarks/tuning/ragged_dot.py from
 libtpu's static estimates) the forward takes the table's blocks instead.
 """
 
@@ -972,7 +972,7 @@ def _gmm_call(lhs, rhs_ops, scale_ops, bias_ops, group_sizes, group_offset, t: T
   if num_visits is not None:   # a static count (static performance estimates)
     visits = num_visits
 
-  # Index maps read the table through `_field` (benchmarks/ragged_estimate.py substitutes
+  # Index maps read the table through `_field` (benchmarks/rating/ragged_dot.py substitutes
   # it to let the static estimator see a table). Grid step s holds visits s * P + p.
   def k_index(v, kk, tab):
     pin = _field(tab, _K_PIN, v, num_v)

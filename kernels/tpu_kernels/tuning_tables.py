@@ -4,7 +4,7 @@
 tuner in benchmarks/ (`write`), read by the kernel at import (`load`):
 
     {"kernel": "ragged_dot", "chip": "v6e",
-     "generated_by": "python benchmarks/tune_ragged_dot.py",
+     "generated_by": "python benchmarks/tuning/ragged_dot.py",
      "key": ["dtype", "weight_dtype", "num_rhs", "m_bucket", "k", "n", "num_groups",
              "interleaved", "f32_out"],
      "value": ["block_m", "block_k", "block_n"],

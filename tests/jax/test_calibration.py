@@ -1,4 +1,5 @@
-"""benchmarks/calibration.py: reading tokamax's real-chip caches and the ratio arithmetic.
+"""benchmarks/rating/calibration.py (benchmarks/calibration.py's library): reading tokamax's
+real-chip caches and the ratio arithmetic.
 
 Cheap (no libtpu compile): two entries copied verbatim from tokamax 0.0.17's caches
 (tpu_v6_lite/pallas_mosaic_tpu_flash_attention.json, tpu_v5_lite/pallas_mosaic_tpu_ragged_dot.json)
@@ -6,17 +7,13 @@ are written to a temporary cache directory and read back through `read_entries`.
 """
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "kernels"))
+from tpu_kernels import chips
 
-import calibration  # noqa: E402
-from tpu_kernels import chips  # noqa: E402
+from benchmarks.rating import calibration
+from benchmarks.rating import calibration_specs
 
 FLASH_KEY = ('{"q":"bf16[32,512,16,128]","k":"bf16[32,512,16,128]","v":"bf16[32,512,16,128]",'
              '"precision":[["DEFAULT","DEFAULT"],["DEFAULT","DEFAULT"]],"logits_dtype":"float32",'
@@ -75,7 +72,7 @@ def test_gmm_entry_and_its_visits(cache):
   assert spec.closed_form.visits == tuple((g, g) for g in range(8))
   # Uneven sizes, counted by hand: rows [0,3) [3,3) [3,300) [300,301) with tm=128 ->
   # group 0: tile 0; group 1: empty; group 2: tiles 0,1,2; group 3: tile 2.
-  groups = calibration.MeasuredGroups((3, 0, 297, 1), 128)
+  groups = calibration_specs.MeasuredGroups((3, 0, 297, 1), 128)
   assert groups.visits == ((0, 0), (2, 0), (2, 1), (2, 2), (3, 2)) and groups.num_tiles == 5
 
 
@@ -91,12 +88,12 @@ def test_skips_what_is_not_the_plain_forward_kernel():
 
 
 def test_causal_closed_forms_walk_the_lower_triangle():
-  spec = calibration.CalibrationAttention(
+  spec = calibration_specs.CalibrationAttention(
       batch=1, q_heads=2, kv_heads=2, seq_q=4096, seq_kv=4096, head_dim=128, head_dim_v=128,
       causal=True, residuals=False, config=(("block_kv", 512), ("block_q", 512)), glue=False)
   want = [(i, j) for i in range(8) for j in range(i + 1)]
   assert [(spec.row(g), spec.col(g)) for g in range(spec.active)] == want
-  full = calibration.CalibrationAttention(**{**spec.__dict__, "causal": False})
+  full = calibration_specs.CalibrationAttention(**{**spec.__dict__, "causal": False})
   assert [(full.row(g), full.col(g)) for g in range(full.active)] == \
       [(i, j) for i in range(8) for j in range(8)]
 

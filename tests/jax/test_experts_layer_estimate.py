@@ -1,39 +1,39 @@
-"""The whole-experts-layer estimate (benchmarks/experts_layer_estimate.py), checked without
+"""The whole-experts-layer estimate (benchmarks/rating/experts_layer.py), checked without
 the estimator (interpret mode, no profile flag): the case's roofline arithmetic against a
 count from the definition, the decode routing table against group_metadata, the kernel on
 that table against a float64 grouped matmul, and moe's route / combine against NumPy."""
 
 import importlib
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from tpu_kernels import moe
 
-import experts_layer_estimate as X  # noqa: E402
-import headline  # noqa: E402
-from tpu_kernels import moe  # noqa: E402
+from benchmarks import cases
+from benchmarks.cases.experts_layer import EXPERTS_LAYER, ExpertsLayer
+from benchmarks.estimator import static_estimate, xla_cost
+from benchmarks.peers.protocol import OURS, XLA
+from benchmarks.rating import experts_layer as X
+from benchmarks.reports import tables
 
 
 def test_cases_cover_the_brief():
   got = {(c.model, c.tokens, c.experts, c.top_k, c.hidden, c.width, c.dtype)
-         for c in headline.EXPERTS_LAYER}
+         for c in EXPERTS_LAYER}
   want = {(m, t, e, k, h, i, "bfloat16")
           for m, e, k, h, i in (("Qwen3-30B-A3B", 128, 8, 2048, 768),
                                 ("gpt-oss-20b", 32, 4, 2880, 2880))
           for t in (1, 8, 64, 8192)}
   assert got == want
-  names = [c.name for c in headline.ALL_CASES]
+  names = [c.name for c in cases.all_cases()]
   assert len(set(names)) == len(names)
 
 
 def test_roofline_counts_both_projections_and_the_experts_hit():
-  case = headline.ExpertsLayer("Qwen3-30B-A3B", 64, 128, 8, 2048, 768)
+  case = ExpertsLayer("Qwen3-30B-A3B", 64, 128, 8, 2048, 768)
   rows = 64 * 8
   assert case.flops() == 2 * rows * 2048 * (2 * 768) + 2 * rows * 768 * 2048
   # Expected distinct experts by simulation from the definition (top-8 distinct per token).
@@ -45,13 +45,13 @@ def test_roofline_counts_both_projections_and_the_experts_hit():
   io = 2 * 64 * 2048 * 2 + rows * (4 + 2)
   assert case.min_bytes() == round(case.experts_hit * per_expert + io)
   assert case.all_experts_min_bytes() == 128 * per_expert + io
-  one = headline.ExpertsLayer("Qwen3-30B-A3B", 1, 128, 8, 2048, 768)
+  one = ExpertsLayer("Qwen3-30B-A3B", 1, 128, 8, 2048, 768)
   assert one.experts_hit == pytest.approx(8)   # one token: exactly its top-k
-  assert headline.ExpertsLayer("gpt-oss-20b", 8192, 32, 4, 2880, 2880).experts_hit == \
+  assert ExpertsLayer("gpt-oss-20b", 8192, 32, 4, 2880, 2880).experts_hit == \
       pytest.approx(32)
 
 
-@pytest.mark.parametrize("case", [c for c in headline.EXPERTS_LAYER if c.tokens <= 64],
+@pytest.mark.parametrize("case", [c for c in EXPERTS_LAYER if c.tokens <= 64],
                          ids=lambda c: f"{c.model}-T{c.tokens}")
 def test_routed_table_is_group_metadata(case):
   """The decode tables the estimate shows the kernel equal what the kernel would build."""
@@ -91,7 +91,7 @@ def test_gpt_oss_prefill_rates_the_kernel_moe_experts_runs():
   """At 8192 tokens gpt-oss's interleaved gate/up takes the "lanes" route in ragged_dot (the
   f32 intermediate would outweigh the weights); the estimate rates that kernel, and the
   gate part only where the route is "gate_pass" (decode)."""
-  for case in (c for c in headline.EXPERTS_LAYER if c.model == "gpt-oss-20b"):
+  for case in (c for c in EXPERTS_LAYER if c.model == "gpt-oss-20b"):
     kernels = X.gmms(case, "v6e")
     parts = list(kernels) + list(X.glue_programs(case, "v6e"))
     lanes = case.tokens == 8192
@@ -127,11 +127,11 @@ def test_kernel_fed_glue_takes_no_layout_copy():
   reads: compiled as a program's result they take a column-major copy, kernel-fed (the
   layout XLA chooses, as inside the layer) none; the combine, the layer's result, is not
   kernel-fed."""
-  case = next(c for c in headline.EXPERTS_LAYER
+  case = next(c for c in EXPERTS_LAYER
               if c.model == "gpt-oss-20b" and c.tokens == 64)
   parts = X.glue_programs(case, "v6e")
   gate = parts["gate (after the gate/up kernel)"]
-  copies = [" copy(" in X._compile_glue(gate.fn, gate.specs, "v6e", fed)[0].as_text()
+  copies = [" copy(" in xla_cost.compile_glue(gate.fn, gate.specs, "v6e", fed)[0].as_text()
             for fed in (False, True)]
   assert copies == [True, False]
   assert [name for name, p in parts.items() if p.kernel_fed] == [
@@ -143,22 +143,23 @@ def test_op_cycles_reads_every_op_and_the_unestimated_sentinel():
           '  %s = s32[128] fusion(%p), kind=kCustom, backend_config='
           '{"estimated_cycles":"9223372036854775807"}\n'
           '  ROOT %r = f32[2] copy(%a), backend_config={"estimated_cycles":"7"}')
-  assert X.op_cycles(text) == [("a", 120), ("s", 9223372036854775807), ("r", 7)]
-  assert X.op_cycles(text)[1][1] >= X.UNESTIMATED
+  assert static_estimate.op_cycles(text) == [("a", 120), ("s", 9223372036854775807), ("r", 7)]
+  assert static_estimate.op_cycles(text)[1][1] >= static_estimate.UNESTIMATED
 
 
 def test_estimate_dispatches_the_layer():
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv("ESTIMATE_STATIC_PROFILE", "0")
-    estimate = importlib.import_module("estimate")
-  case = headline.EXPERTS_LAYER[2]
-  impls = estimate.ours_and_xla(case)
-  assert [i.source for i in impls] == [estimate.OURS, estimate.XLA]
+    estimate = importlib.import_module("benchmarks.estimate")
+  case = EXPERTS_LAYER[2]
+  impls = estimate.implementations(False, [case.name], with_anchors=False)
+  assert [i.source for i in impls] == [OURS, XLA]
+  assert impls[0].implementation == X.IMPLEMENTATION
   assert not impls[1].static_profile
 
 
 def test_summary_splits_kernels_and_glue():
-  case = headline.EXPERTS_LAYER[2]
+  case = EXPERTS_LAYER[2]
   parts = {"gate/up+silu kernel": dict(predicted_us=60.0),
            "down kernel": dict(predicted_us=30.0),
            "route (sort, group sizes, gather)": dict(predicted_us=4.0, first_attempt="x"),
@@ -168,6 +169,6 @@ def test_summary_splits_kernels_and_glue():
                kernels_us=90.0, glue_us=10.0, breakdown=parts),
           dict(case=case.name, implementation="xla (lax.ragged_dot layer)", source="xla",
                chip="v6e", predicted_us=120.0)]
-  line = X.summary(rows).splitlines()[-1]
+  line = tables.experts_layer_table(rows).splitlines()[-1]
   assert line == (f"| {case.model} | {case.tokens} | v6e | 80.0 | 100.0 | 0.80 | 90.0 | 10.0 "
                   "| route 4.0 (cost_analysis), combine 6.0 | 120 |")

@@ -4,16 +4,12 @@ compile): the entries' compiles are in test_ragged_dot_aot.py, the tuner's traff
 against the index-map replay in test_ragged_estimate.py."""
 
 import dataclasses
-import sys
-from pathlib import Path
 from unittest import mock
 
 import jax.numpy as jnp
 import pytest
 
 from tpu_kernels import chips, ragged_dot as R, vmem
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 TABLE = R.TUNED_BLOCKS
 BF16 = jnp.bfloat16
@@ -94,7 +90,7 @@ def test_the_experts_layers_prefill_kernels_have_keys_of_their_own(chip):
                                                                         interleaved=False)
   downs = [R.TuningKey(chip, "bfloat16", "bfloat16", 1, m, k, n, g, f32_out=True)
            for m, k, n, g in [(65536, 768, 2048, 128), (32768, 2880, 2880, 32)]]
-  for key in [interleaved] + downs:   # each tuned (benchmarks/tune_ragged_dot.py)
+  for key in [interleaved] + downs:   # each tuned (benchmarks/tuning/ragged_dot.py)
     entry = TABLE[dataclasses.astuple(key)]
     assert _blocks(_tiling(key, key.m_bucket)) == entry
     fake = (16, *entry[1:])   # a legal entry no heuristic picks
@@ -159,7 +155,7 @@ def test_int8_rows_take_the_tiles_of_their_bf16_rows(entry):
 def test_table_is_built_from_the_rated_heuristic_and_a_gain():
   """An entry needs the heuristic's pick rated, a gain of at least 1% at unaligned
   routing, and no loss at balanced routing; an unrated candidate cannot win."""
-  import tune_ragged_dot as T
+  from benchmarks.tuning import ragged_dot as T
   key = T.grid()[0]
 
   def row(blocks, unaligned, balanced, heuristic=False):
@@ -180,10 +176,10 @@ def test_table_is_built_from_the_rated_heuristic_and_a_gain():
 
 
 def test_a_rerun_keeps_a_keys_other_ratings_and_replaces_its_heuristic():
-  """tune_ragged_dot.merged_log: a new rating replaces the same key and blocks; the key's
+  """tuning/ragged_dot.merged_log: a new rating replaces the same key and blocks; the key's
   earlier candidates stay (so a run ranking other candidates loses no good one), but its
   earlier heuristic pick goes (a changed heuristic must not leave two)."""
-  import tune_ragged_dot as T
+  from benchmarks.tuning import ragged_dot as T
   a, b = (list(dataclasses.astuple(k)) for k in T.grid()[:2])
 
   def row(key, blocks, heuristic=False, us=1.0):
@@ -200,10 +196,11 @@ def test_a_rerun_keeps_a_keys_other_ratings_and_replaces_its_heuristic():
 
 
 def test_summary_rates_against_the_roofline_and_is_the_performance_page_table():
-  """`tune_ragged_dot.py --summary` divides the roofline by each prediction (capped at 1);
-  docs/performance.md's table is its output for the shipped log, one row per tuned key."""
-  import tune_ragged_dot as T
-  import tuning
+  """`benchmarks/tuning/ragged_dot.py --summary` divides the roofline by each prediction
+  (capped at 1); docs/performance/ragged-dot.md's table is its output for the shipped log, one
+  row per tuned key."""
+  from benchmarks import ROOT, read_rows
+  from benchmarks.tuning import ragged_dot as T
   key = R.TuningKey("v6e", "bfloat16", "bfloat16", 1, 8192, 768, 2048, 128)
   c, gmm = chips.get_chip(key.chip), T.case(key)
   roofline_us = max(gmm.flops() / c.bf16_flops_per_s, gmm.min_bytes() / c.hbm_bytes_per_s) * 1e6
@@ -217,9 +214,9 @@ def test_summary_rates_against_the_roofline_and_is_the_performance_page_table():
   line = next(l for l in T.summary(rows) if "| v6e | qwen3-30b-a3b | 8192 | down |" in l)
   assert line.endswith("| 1.00 / 0.25 | 1.00 / 0.50 | (256, 768, 2048) |"), line
 
-  shipped = T.summary(tuning.read_log(T.ROOT / "benchmarks/results/ragged_tuning.jsonl"))
+  shipped = T.summary(read_rows(ROOT / "benchmarks/results/ragged_tuning.jsonl"))
   assert len(shipped) == 2 + len(T.grid())
-  performance = (T.ROOT / "docs" / "performance.md").read_text()
+  performance = (ROOT / "docs" / "performance" / "ragged-dot.md").read_text()
   assert "\n".join(shipped) in performance
 
 

@@ -1,10 +1,8 @@
 """The grouped-matmul static estimate shows the estimator the real visit table: check that
 what it substitutes is what the kernel really reads, and that the substituted kernel still
-computes the grouped matmul (benchmarks/ragged_estimate.py; interpret mode, no libtpu flag).
+computes the grouped matmul (benchmarks/rating/ragged_dot.py; interpret mode, no libtpu flag).
 """
 
-import sys
-from pathlib import Path
 from unittest import mock
 
 import jax
@@ -12,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from tpu_kernels import ragged_dot as R
 
-import ragged_estimate as E  # noqa: E402
-from tpu_kernels import ragged_dot as R  # noqa: E402
+from benchmarks.cases.headline import GroupedMatmul
+from benchmarks.rating import ragged_dot as E
+from benchmarks.reports import tables
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e"])
@@ -94,11 +93,11 @@ class _MetadataTable:
     (2, 64, 2048, 256, 4, "float8_e4m3fn"),
 ])
 def test_tuner_traffic_model_equals_the_replay(num_rhs, m, k, n, groups, weight_dtype):
-  """benchmarks/tune_ragged_dot.py ranks candidates by a closed form of the bytes the grid
+  """benchmarks/tuning/ragged_dot.py ranks candidates by a closed form of the bytes the grid
   moves: it must equal the step-by-step replay of the index maps, for every candidate, at
   balanced routing and at unaligned routing (the real visit table of group sizes whose
   every boundary falls inside a row tile)."""
-  import tune_ragged_dot as T
+  from benchmarks.tuning import ragged_dot as T
   key = R.TuningKey("v6e", "bfloat16", weight_dtype, num_rhs, m, k, n, groups)
   candidates = T.candidates(key)
   assert len(candidates) > 10
@@ -208,19 +207,17 @@ def test_quantized_hbm_replay_counts_one_byte_weights_and_scales():
 def test_gpt_oss_gate_up_is_rated_as_the_route_the_op_takes():
   """gpt-oss's interleaved gate/up at decode: the plain kernel to a float32 (m, 2I)
   (ragged_dot.gate_up_route "gate_pass"), weights (G, k, n)."""
-  sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-  import headline
-  case = headline.GroupedMatmul.of("gpt-oss-20b", 64, "gate_up+gpt_oss", "int8")
+  case = GroupedMatmul.of("gpt-oss-20b", 64, "gate_up+gpt_oss", "int8")
   g = E.gmm_case(case, "v6e")
   assert (g.gated, g.n_out, g.out_dtype, g.transpose_rhs) == (False, 5760, "float32", False)
   assert (g.groups, g.active_groups, g.k) == (32, None, 2880)
   # Quantized weights are rated as quantize_experts_ stores them, (G, k, n), bf16 ones as
   # Transformers does, (G, n, k).
-  qwen = E.gmm_case(headline.GroupedMatmul.of("Qwen3-30B-A3B", 64, "down", "float8_e4m3fn"),
+  qwen = E.gmm_case(GroupedMatmul.of("Qwen3-30B-A3B", 64, "down", "float8_e4m3fn"),
                     "v5e")
   assert (qwen.gated, qwen.active_groups, qwen.transpose_rhs, qwen.quantized) == \
       (False, 64, False, True)
-  assert E.gmm_case(headline.GroupedMatmul.of("Qwen3-30B-A3B", 64, "down"), "v5e").transpose_rhs
+  assert E.gmm_case(GroupedMatmul.of("Qwen3-30B-A3B", 64, "down"), "v5e").transpose_rhs
 
 
 def test_quantized_decode_table_compares_with_the_best_bf16_anchor():
@@ -234,7 +231,7 @@ def test_quantized_decode_table_compares_with_the_best_bf16_anchor():
           row(q, "anchor", "tokamax ragged_dot (x)", 400.0),
           row(b, "ours", "pallas", 190.0), row(b, "anchor", "jax megablox gmm (a)", 170.0),
           row(b, "anchor", "tokamax ragged_dot (b)", 250.0)]
-  table = E.quantized_decode_table(rows, [q])
+  table = tables.quantized_decode_table(rows, [q])
   line = next(line for line in table.splitlines() if line.startswith(f"| {q} |"))
   cells = [c.strip() for c in line.strip("|").split("|")]
   assert cells[2:] == ["100.0", "90.0", "0.90", "170.0 (jax megablox gmm)", "1.70x", "400.0",
@@ -254,7 +251,7 @@ def test_tpu_inference_gmm_table_cells():
           dict(case=case, chip="v5e", source="anchor", implementation=tpu_inference,
                error="RuntimeError: child exit 1: RESOURCE_EXHAUSTED: E1001: "
                      "CompileTimeScopedVmemOom: ...")]
-  table = E.tpu_inference_gmm_table(rows, [case]).splitlines()
+  table = tables.tpu_inference_gmm_table(rows, [case]).splitlines()
   cells = {line.split("|")[2].strip(): [c.strip() for c in line.strip("|").split("|")]
            for line in table[2:]}
   assert cells["v6e"] == ["M down fp8 m=64", "v6e", "120.0", "0.83", "150.0", "100.0", "1.25x"]

@@ -1,4 +1,5 @@
-"""The seed prediction (benchmarks/seed_prediction.py), checked without the estimator: both
+"""The seed prediction (benchmarks/seed_prediction.py; its programs and rating in
+benchmarks/rating/seed_prediction.py), checked without the estimator: both
 experts programs (ours in interpret mode, Transformers' grouped_mm forward written in JAX)
 against a float64 NumPy reference on a tiny expert-parallel shape, AllReduceEP's remap
 summed over ranks against the unsplit experts, the split's arithmetic, and the docs' table
@@ -6,20 +7,18 @@ made from the results file."""
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))
+import reference_moe  # tests/
 
-import reference_moe  # noqa: E402
-import seed_prediction as S  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.cases.seed import QWEN3
+from benchmarks.rating import seed_prediction as S
+from benchmarks.reports import tables
 
 
 def _case(seed=0, tokens=8, experts=16, top_k=4, hidden=256, width=128):
@@ -70,7 +69,7 @@ def test_all_reduce_ep_remap_sums_to_the_whole_experts():
 
 
 def test_the_split():
-  layer = S.QWEN3
+  layer = QWEN3
   assert (layer.local_experts, layer.local_q_heads, layer.local_kv_heads) == (16, 4, 1)
   assert layer.rows == 512
   # Expected distinct local experts hit by simulation from the definition.
@@ -86,7 +85,7 @@ def test_the_split():
 
 
 def test_table_is_made_from_the_results_file():
-  results = json.loads(S.RESULTS.read_text())
+  results = json.loads(S.RESULTS_FILE.read_text())
   summary = S.summary(results)
   for chip, parts in results["chips"].items():
     sums = {g: sum(p["predicted_us"] for p in ps.values()) for g, ps in parts.items()}
@@ -103,7 +102,7 @@ def test_table_is_made_from_the_results_file():
   for chip, values in summary.items():
     for key, value in values.items():
       assert stored[chip][key] == pytest.approx(value, rel=1e-12, abs=0), (chip, key)
-  table = S.table(results)
+  table = tables.seed_table(results)
   docs = (ROOT / "docs" / "performance.md").read_text()
   assert table in docs, "docs/performance.md's seed table is not the module's table"
   ratio = f"{summary['v6e']['default_experts_ratio']:.2f}x"
@@ -117,7 +116,7 @@ def test_default_as_written_copies_the_transposed_weights_for_v6e():
   does not."""
   from tpu_kernels import aot
   device = aot.topology_device("v6e")
-  layer = S.QWEN3
+  layer = QWEN3
   weights = f"bf16[{layer.local_experts},{2 * layer.width},{layer.hidden}]"
   for copy in (True, False):
     fn, specs, how = next(v for k, v in S.default_programs(layer, copy).items()

@@ -1,11 +1,15 @@
 """The front page stays true (issue 29): README.md opens with the two commands, every
-relative link of README.md, docs/*.md and the cards resolves, the TPU-VM install line is
-the tested lock's, and every number the front page and the cards' openings quote is in the
-results file it comes from (benchmarks/results/estimates.md, written by
-benchmarks/estimate.py). Text only: no jax, no torch; well under a second."""
+relative link of README.md, docs/**/*.md and the cards resolves (anchors included), the
+TPU-VM install line is the tested lock's, and every number the front page, the cards'
+openings, docs/performance.md's answer (its tables and its misses, before its Method) and the
+opening of each docs/performance/ page quote is in the results file it comes from
+(benchmarks/results/estimates.md, written by benchmarks/estimate.py; calibration.md; the
+seed prediction; the docs' tables made from estimates.jsonl). Text only but for that last
+set (benchmarks/reports, which imports jax); a few seconds."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -38,7 +42,7 @@ def _cards() -> list[Path]:
 
 
 def _docs() -> list[Path]:
-  return sorted((ROOT / "docs").glob("*.md"))
+  return sorted((ROOT / "docs").rglob("*.md"))
 
 
 def _prose(text: str) -> str:
@@ -150,7 +154,8 @@ def test_headline_rows_are_the_estimates_files():
     assert other.split()[0].lower() == r_other.split()[0].lower(), (other, r_other)
 
 
-def _estimate_numbers() -> set[float]:
+@functools.cache
+def _estimate_numbers() -> frozenset[float]:
   """Every decimal of the generated results the front page may quote: the estimates, the
   calibration against real-chip times (benchmarks/calibration.py) and the seed prediction
   (benchmarks/seed_prediction.py)."""
@@ -161,24 +166,19 @@ def _estimate_numbers() -> set[float]:
   seed = json.loads(SEED_PREDICTION.read_text())
   numbers |= {round(v, 2) for chip in seed["summary"].values() for k, v in chip.items()
               if k.endswith("_ratio")}
-  return numbers | set(seed["seed_speedup"].values()) | _quantized_table_numbers()
+  return frozenset(numbers) | set(seed["seed_speedup"].values()) | _table_numbers(
+      "quantized-decode", "w8a8-decode", "tpu-inference-gmm")
 
 
-def _quantized_table_numbers() -> set[float]:
-  """The numbers of docs/performance.md's quantized-decode, int8-activation (w8a8) and
-  tpu-inference gmm tables, as benchmarks/ragged_estimate.py generates them from
-  estimates.jsonl (speed-ups over the best bf16 anchor, ours ÷ tpu-inference)."""
-  import sys
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  import headline
-  import ragged_estimate
-  rows = [json.loads(line) for line in
-          (ROOT / "benchmarks" / "results" / "estimates.jsonl").read_text().splitlines() if line]
-  text = ragged_estimate.quantized_decode_table(
-      rows, [c.name for c in headline.QUANTIZED_DECODE if c.quantized])
-  text += ragged_estimate.quantized_decode_table(rows, [c.name for c in headline.W8A8_DECODE])
-  text += ragged_estimate.tpu_inference_gmm_table(rows, [c.name for c in headline.QUANTIZED_DECODE])
-  return {float(n.replace(",", "")) for n in DECIMAL.findall(text)}
+@functools.cache
+def _table_numbers(*names: str) -> frozenset[float]:
+  """The numbers of the docs' tables made from the results (benchmarks/reports/docs.py's
+  TABLES; by default every one: the quantized-decode, int8-activation (w8a8) and
+  tpu-inference gmm tables, with speed-ups over the best bf16 anchor and ours ÷
+  tpu-inference; the experts layer's; the seed prediction's; the per-kernel summaries)."""
+  from benchmarks.reports import docs
+  text = "".join(docs.TABLES[name]() for name in names or docs.TABLES)
+  return frozenset(float(n.replace(",", "")) for n in DECIMAL.findall(text))
 
 
 def test_every_number_of_the_performance_section_is_in_the_estimates_file():
@@ -189,6 +189,37 @@ def test_every_number_of_the_performance_section_is_in_the_estimates_file():
   assert quoted, "the performance section quotes no number"
   missing = sorted(n for n in quoted if float(n.replace(",", "")) not in _estimate_numbers())
   assert not missing, missing
+
+
+def _unquoted(text: str) -> list[str]:
+  """The decimal numbers of `text` (its prose) that no results file, nor a docs table made
+  from them, holds."""
+  known = _estimate_numbers() | _table_numbers()
+  return sorted({n for n in DECIMAL.findall(_prose(text))
+                 if float(n.replace(",", "")) not in known})
+
+
+def test_the_performance_page_leads_with_numbers_of_the_results():
+  """docs/performance.md opens with the answer: one table per kernel (generated: see
+  tests/release/test_results_regenerate.py), then the misses, each with its reason, before
+  the method. Every number of the answer and the misses is in the results."""
+  text = (ROOT / "docs" / "performance.md").read_text()
+  headings = re.findall(r"^## (.+)$", text, re.M)
+  assert headings[:2] == ["The answer, kernel by kernel", "Where it misses, and why"]
+  assert headings.index("Method") > headings.index("Where it misses, and why")
+  answer = text[:text.index("\n## ", text.index("\n## Where it misses, and why") + 1)]
+  assert answer.count("<!-- generated: summary-") >= 4
+  assert not _unquoted(answer)
+
+
+@pytest.mark.parametrize("page", sorted((ROOT / "docs" / "performance").glob("*.md")),
+                         ids=lambda p: p.name)
+def test_each_performance_page_opens_with_numbers_of_the_results(page):
+  """A derivation page opens (before its first section) with what it derives, in numbers of
+  the results; the derivation below holds hand counts and intermediate ratings as well."""
+  text = page.read_text()
+  assert text.startswith("# ") and "\n## " in text
+  assert not _unquoted(text[:text.index("\n## ")])
 
 
 @pytest.mark.parametrize("card", _cards(), ids=lambda p: p.parent.name)

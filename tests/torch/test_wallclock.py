@@ -10,15 +10,11 @@ import json
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import headline  # noqa: E402
-import wallclock  # noqa: E402
+from benchmarks import ROOT, wallclock
+from benchmarks.cases import headline
 
 KERNELS = ("rms-norm-tpu", "ragged-dot-tpu", "flash-attention-tpu", "paged-attention-tpu")
 
