@@ -1,6 +1,8 @@
-"""The artifact TorchTPU would run: for each kernel at a headline shape, the program the
-real `jax_op` exports (captured above the native boundary, `jax.export.Exported`, the same
-bytes its real kernel registers with `register_custom_kernel`) is compiled ahead of time
+"""The artifact TorchTPU would run: for each kernel at a headline shape (the linear-attention
+ops at Qwen3.5-9B's: prefill at 4096 tokens, batch-64 decode with the states donated), the
+program the real `jax_op` exports (captured above the native boundary,
+`jax.export.Exported`, the same bytes its real kernel registers with
+`register_custom_kernel`) is compiled ahead of time
 by libtpu for v5e and v6e, with the newest libtpu torch-tpu 0.2.0 and jax accept
 (.venv-jax012: jax 0.12.1, libtpu 0.0.52; scripts/compile_exported.py).
 
@@ -52,8 +54,53 @@ def _paged(k, t):    # decode: 64 sequences of up to 4096 tokens, pages of 64, 3
                            t((64, 64), torch.int32), t((65,), torch.int32))
 
 
+# Qwen3.5-9B's linear-attention layers: 16 key / 32 value heads of 128, conv over 8192
+# channels of width 4, the gated norm over 128 per value head.
+QWEN35 = dict(hk=16, hv=32, d=128, conv=8192)
+
+
+def _gdn_inputs(t, batch, seq):
+  hk, hv, d = QWEN35["hk"], QWEN35["hv"], QWEN35["d"]
+  return [t((batch, seq, hk, d), torch.bfloat16), t((batch, seq, hk, d), torch.bfloat16),
+          t((batch, seq, hv, d), torch.bfloat16), t((batch, seq, hv), torch.float32),
+          t((batch, seq, hv), torch.bfloat16)]
+
+
+def _gdn_prefill(k, t):   # 4096 tokens, the final state returned (the cache)
+  k.chunk_gated_delta_rule(*_gdn_inputs(t, 1, 4096), output_final_state=True,
+                           use_qk_l2norm_in_kernel=True)
+
+
+def _gdn_decode(k, t):    # batch 64, one token, the states updated in place (donated)
+  state = t((64, QWEN35["hv"], QWEN35["d"], QWEN35["d"]), torch.float32)
+  k.fused_recurrent_gated_delta_rule_(*_gdn_inputs(t, 64, 1), state,
+                                      use_qk_l2norm_in_kernel=True)
+
+
+def _conv_prefill(k, t):  # 4096 tokens, channels-last as Transformers hands x over
+  x = t((1, 4096, QWEN35["conv"]), torch.bfloat16).transpose(1, 2)
+  k.causal_conv1d_fn(x, t((QWEN35["conv"], 4), torch.bfloat16), None, activation="silu")
+
+
+def _conv_decode(k, t):   # batch 64, the conv state updated in place (donated)
+  k.causal_conv1d_update(t((64, QWEN35["conv"], 1), torch.bfloat16),
+                         t((64, QWEN35["conv"], 4), torch.bfloat16),
+                         t((QWEN35["conv"], 4), torch.bfloat16), None, "silu")
+
+
+def _gated_norm(k, t):    # the prefill's 4096 tokens x 32 heads
+  rows = 4096 * QWEN35["hv"]
+  k.rms_norm_gated(t((rows, QWEN35["d"]), torch.bfloat16), t((rows, QWEN35["d"]), torch.bfloat16),
+                   t((QWEN35["d"],), torch.bfloat16), 1e-6)
+
+
 HEADLINE = {"rms_norm": ("rms", _rms), "experts": ("ragged", _experts),
-            "flash_attention": ("flash", _flash), "ragged_paged_attention": ("paged", _paged)}
+            "flash_attention": ("flash", _flash), "ragged_paged_attention": ("paged", _paged),
+            "chunk_gated_delta_rule": ("gdn", _gdn_prefill),
+            "fused_recurrent_gated_delta_rule_in_place": ("gdn", _gdn_decode),
+            "causal_conv1d_forward": ("conv", _conv_prefill),
+            "causal_conv1d_update": ("conv", _conv_decode),
+            "rms_norm_gated": ("rms", _gated_norm)}
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Every op of the four kernels through the real TorchTPU 0.2.0 `jax_op`, on "tpu" tensors,
+"""Every op of the six kernels through the real TorchTPU 0.2.0 `jax_op`, on "tpu" tensors,
 as far as the wheel goes without a chip.
 
 For each JaxKernel of each built package (walked from its `_custom_ops` module, not
@@ -12,7 +12,10 @@ listed by hand) the shim builds the TPU op with the real `torch.tpu.pallas.jax_o
     its own torch layer and the shim into the wheel's fake, which `jax.export`s the kernel
     for platform "tpu" (Mosaic `tpu_custom_call` inside); the outputs and gradients must
     have the shapes and dtypes our own fakes give (test_public_api_through_the_real_jax_op);
-  * the cases together reach every JaxKernel (test_cases_reach_every_jax_kernel).
+  * the cases together reach every JaxKernel (test_cases_reach_every_jax_kernel);
+  * the ops that update a tensor in place (the KV-cache writes, the conv state, the
+    gated delta rule's decode state) donate it: the exported program aliases it to its
+    output and the device call is asked to donate it.
 
 How the torch layer is made to reach the wheel under FakeTensorMode: a custom op's fake
 runs instead of its implementation there, so for the run through TorchTPU each public
@@ -42,7 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fake_tpu import (jax_kernels_of, ops_module_of, experts_module, on_device as _on,
                       recording_public_ops)
 
-KERNEL_FIXTURES = ("rms", "ragged", "flash", "paged")
+KERNEL_FIXTURES = ("rms", "ragged", "flash", "paged", "gdn", "conv")
 
 
 class _Context:
@@ -210,6 +213,59 @@ def _write_pages(k, t, *, cache_dtype=torch.bfloat16):
   return [cache]
 
 
+def _rms_gated(k, t):
+  x = t((64, 128), torch.bfloat16)
+  return [k.rms_norm_gated(x, t((64, 128), torch.bfloat16), t((128,), torch.float32), 1e-6)]
+
+
+# Gated DeltaNet at a model's head dim: 2 key heads and 4 value heads of 128.
+GDN_HK, GDN_HV, GDN_D = 2, 4, 128
+
+
+def _gdn_inputs(t, batch, seq):
+  return [t((batch, seq, GDN_HK, GDN_D), torch.bfloat16) for _ in range(2)] + [
+      t((batch, seq, GDN_HV, GDN_D), torch.bfloat16), t((batch, seq, GDN_HV), torch.float32),
+      t((batch, seq, GDN_HV), torch.bfloat16)]
+
+
+def _gdn(k, t, function, *, seq, packed=False):
+  """A hub function with an initial state and the final state (packed: 2 sequences)."""
+  batch, states = (1, 2) if packed else (2, 2)
+  q, kk, v, g, beta = _gdn_inputs(t, batch, seq)
+  o, final = getattr(k, function)(
+      q, kk, v, g=g, beta=beta, initial_state=t((states, GDN_HV, GDN_D, GDN_D), torch.float32),
+      output_final_state=True, use_qk_l2norm_in_kernel=True,
+      cu_seqlens=t((3,), torch.int32) if packed else None)
+  return [o, final]
+
+
+def _gdn_in_place(k, t):
+  state = t((2, GDN_HV, GDN_D, GDN_D), torch.float32)
+  o = k.fused_recurrent_gated_delta_rule_(*_gdn_inputs(t, 2, 1), state,
+                                          use_qk_l2norm_in_kernel=True)
+  return [o, state]
+
+
+CONV_D = 256
+
+
+def _conv(k, t, *, packed=False, channels_last=False):
+  """causal_conv1d_fn, width 4 with a bias; channels_last: x as the transposed view of a
+  contiguous [B, T, D], as Transformers' layers hand it over."""
+  x = (t((1, 64, CONV_D), torch.bfloat16).transpose(1, 2) if channels_last
+       else t((1, CONV_D, 64), torch.bfloat16))
+  packing = dict(cu_seq_lens_q=t((3,), torch.int32)) if packed else {}
+  return [k.causal_conv1d_fn(x, t((CONV_D, 4), torch.bfloat16), t((CONV_D,), torch.bfloat16),
+                             activation="silu", **packing)]
+
+
+def _conv_update(k, t):
+  state = t((8, CONV_D, 4), torch.bfloat16)
+  out = k.causal_conv1d_update(t((8, CONV_D, 1), torch.bfloat16), state,
+                               t((CONV_D, 4), torch.bfloat16), None, "silu")
+  return [out, state]
+
+
 CASES = {
     # name: (kernel fixture, case, run the backward too)
     "rms_norm": ("rms", lambda k, t: _rms(k, t, False), True),
@@ -253,6 +309,20 @@ CASES = {
                             False),
     "write_kv_pages fp8": ("paged", lambda k, t: _write_pages(
         k, t, cache_dtype=torch.float8_e4m3fn), False),
+    "rms_norm_gated": ("rms", _rms_gated, True),
+    "chunk_gated_delta_rule": ("gdn", lambda k, t: _gdn(k, t, "chunk_gated_delta_rule",
+                                                         seq=70), True),
+    "chunk_gated_delta_rule packed": ("gdn", lambda k, t: _gdn(
+        k, t, "chunk_gated_delta_rule", seq=70, packed=True), True),
+    "fused_recurrent_gated_delta_rule": ("gdn", lambda k, t: _gdn(
+        k, t, "fused_recurrent_gated_delta_rule", seq=1), True),
+    # the in-place decode has no gradient (by design)
+    "fused_recurrent_gated_delta_rule_ (in place)": ("gdn", _gdn_in_place, False),
+    "causal_conv1d_fn": ("conv", lambda k, t: _conv(k, t), True),
+    "causal_conv1d_fn packed channels-last": ("conv", lambda k, t: _conv(
+        k, t, packed=True, channels_last=True), True),
+    # the in-place update has no gradient kernel (by design)
+    "causal_conv1d_update": ("conv", _conv_update, False),
 }
 
 
@@ -310,12 +380,12 @@ def test_cases_reach_every_jax_kernel(request):
 # ------------------------------------------------------------------ the in-place cache write
 
 
-def _device_call_and_exported_main(kernel, tensors, boundary):
-  """Calls a JaxKernel's TPU op on real "tpu" tensors up to the stubbed device call:
-  (the device call's record, the signature line of the exported program's main, which
-  carries its input/output aliasing)."""
+def _device_call_and_exported_main(kernel, tensors, boundary, **statics):
+  """Calls a JaxKernel's TPU op on real "tpu" tensors (and its statics) up to the stubbed
+  device call: (the device call's record, the signature line of the exported program's
+  main, which carries its input/output aliasing)."""
   with pytest.raises(RuntimeError, match="needs a TPU"):
-    kernel._tpu_op(*tensors, chip="v6e", interpret=False)
+    kernel._tpu_op(*tensors, **statics, chip="v6e", interpret=False)
   (call,) = boundary.calls
   (_, _, program), = boundary.registered
   (_, exported), = boundary.exported
@@ -361,6 +431,43 @@ def test_one_cache_write_donates_the_one_cache_through_the_real_jax_op(paged, bo
   assert call["inputs"][0] is cache                 # no copy
   assert main.count("tf.aliasing_output") == 1, main
   assert "%arg0: tensor<16x2x16x128xbf16> {tf.aliasing_output = 0 : i32}" in main
+
+
+def _tpu(shape, dtype=torch.bfloat16):
+  return torch.empty(shape, dtype=dtype, device="tpu")
+
+
+def test_conv_update_donates_the_conv_state_through_the_real_jax_op(conv, boundary):
+  """causal_conv1d_update's TPU op is built with donate_argnums=(1,): the exported program
+  aliases the conv state (input 1) to its new-state output (output 1), and the device call
+  is asked to donate it alone. Real "tpu" tensors: allocated, never computed on."""
+  update = ops_module_of(conv)._update
+  assert update.donate_argnums == (1,)
+  state = _tpu((8, CONV_D, 4))
+  tensors = [_tpu((8, CONV_D, 1)), state, _tpu((CONV_D, 4)), _tpu((0,), torch.float32)]
+  call, main = _device_call_and_exported_main(update, tensors, boundary, activation="silu")
+  assert call["donate_argnums"] == [1] and call["inputs"][1] is state   # no copy
+  assert main.count("tf.aliasing_output") == 1, main
+  assert f"%arg1: tensor<8x{CONV_D}x4xbf16> {{tf.aliasing_output = 1 : i32}}" in main, main
+
+
+def test_gdn_decode_donates_the_state_through_the_real_jax_op(gdn, boundary):
+  """fused_recurrent_gated_delta_rule_'s TPU op is built with donate_argnums=(5,): the
+  exported program aliases the float32 state (input 5) to its new-state output (output 1),
+  and the device call is asked to donate it alone."""
+  in_place = ops_module_of(gdn)._in_place
+  assert in_place.donate_argnums == (5,)
+  state = _tpu((2, GDN_HV, GDN_D, GDN_D), torch.float32)
+  tensors = [_tpu((2, 1, GDN_HK, GDN_D)), _tpu((2, 1, GDN_HK, GDN_D)),
+             _tpu((2, 1, GDN_HV, GDN_D)), _tpu((2, 1, GDN_HV), torch.float32),
+             _tpu((2, 1, GDN_HV)), state, _tpu((0,), torch.int32)]
+  call, main = _device_call_and_exported_main(
+      in_place, tensors, boundary, scale=GDN_D ** -0.5, use_qk_l2norm_in_kernel=True,
+      max_seqlen=1)
+  assert call["donate_argnums"] == [5] and call["inputs"][5] is state   # no copy
+  assert main.count("tf.aliasing_output") == 1, main
+  assert (f"%arg5: tensor<2x{GDN_HV}x{GDN_D}x{GDN_D}xf32> {{tf.aliasing_output = 1 : i32}}"
+          in main), main
 
 
 # ------------------------------------------------------------------------ torch.compile
