@@ -25,8 +25,15 @@ and show that every kernel compiles for each TPU generation.
 7. The same flash-attention-tpu as a Diffusers attention backend
    (`set_diffusers_backend`): a tiny randomly initialised Flux and a tiny Qwen-Image
    transformer (padded text tokens) run on it next to Diffusers' "native" attention.
-8. Each kernel is compiled ahead of time with libtpu for v5e / v6e / v5p (no TPU needed).
-Exits non-zero if the tokens or the Diffusers outputs differ or a compile fails.
+8. `get_kernel("<org>/gated-delta-rule-tpu", version=1)` and `("<org>/causal-conv1d-tpu")`
+   load the linear-attention kernels; with them and rms-norm-tpu's gated norm registered
+   in the process's kernel mapping (transformers_integration.use_linear_attention_tpu), a
+   tiny randomly initialised Qwen3.5 (one Gated DeltaNet layer, one attention layer) is
+   saved and loaded with `from_pretrained`, which kernelizes it: its logits and greedy
+   tokens (prefill on the chunked kernel and the conv, decode on the recurrent kernel and
+   the in-place conv update) next to the same checkpoint loaded with use_kernels=False.
+9. Each kernel is compiled ahead of time with libtpu for v5e / v6e / v5p (no TPU needed).
+Exits non-zero if the tokens, the logits or the Diffusers outputs differ or a compile fails.
 """
 
 from __future__ import annotations
@@ -198,6 +205,53 @@ def rms_norm_generates_like_stock(repo_id: str, prompt) -> bool:
   return same
 
 
+def linear_attention_generates_like_stock(org: str) -> bool:
+  """The user flow of the linear-attention kernels on transformers 5.25: load both repos
+  with get_kernel, register the three repos' layers in the process's kernel mapping
+  (transformers_integration.use_linear_attention_tpu), load a tiny Qwen3.5 with
+  from_pretrained (kernelized on load), and compare its logits and cached greedy tokens
+  with the checkpoint loaded without kernels. Raises if any linear-attention call is not
+  the kernels'."""
+  import tempfile
+
+  import torch
+  from kernels import get_kernel
+  from transformers import AutoModelForCausalLM
+
+  import transformers_integration as ti
+
+  loaded = [get_kernel(f"{org}/{name}", version=1)
+            for name in ("gated-delta-rule-tpu", "causal-conv1d-tpu", "rms-norm-tpu")]
+  for kernel in loaded[:2]:
+    print(f"   loaded {kernel.__name__} from {Path(kernel.__file__).parent}")
+  prompt = torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+  # The mapping ends with this step (a user's lasts): the other steps' models are untouched.
+  with ti.kernel_mapping_scope(), tempfile.TemporaryDirectory() as path:
+    ti.tiny_linear_attention_model("qwen3_5").save_pretrained(path)
+    stock = AutoModelForCausalLM.from_pretrained(path, use_kernels=False)
+    ti.use_linear_attention_tpu(org)
+    kernelized = AutoModelForCausalLM.from_pretrained(path)
+    count = ti.assert_linear_attention_kernelized(kernelized, org)
+    start = time.perf_counter()
+    with torch.no_grad():
+      want = stock(prompt).logits
+      with ti.RecordKernelOps(loaded) as ops:
+        got = kernelized(prompt).logits
+    error = float((got - want).abs().max() / want.abs().max())
+    close = error <= 1e-4
+    print(f"   {count} linear-attention calls run the kernels ({', '.join(sorted(ops.called))}); "
+          f"logits within {error:.1e} of max|stock|: {'agree' if close else 'DIFFER'}")
+    expected = stock.generate(prompt, max_new_tokens=6, do_sample=False)
+    with ti.RecordKernelOps(loaded) as ops:
+      tokens = kernelized.generate(prompt, max_new_tokens=6, do_sample=False)
+  same = torch.equal(tokens, expected)
+  print(f"   generate ran {', '.join(sorted(ops.called))}")
+  print(f"   stock:      {expected[:, prompt.shape[1]:].tolist()}")
+  print(f"   kernelized: {tokens[:, prompt.shape[1]:].tolist()}  "
+        f"{'MATCH' if same else 'MISMATCH'} ({time.perf_counter() - start:.1f} s)")
+  return same and close
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dist", type=Path, default=ROOT / "dist", help="where to build")
@@ -242,7 +296,13 @@ def main(argv=None) -> int:
   same_diffusers = diffusers_matches_native(f"{org}/flash-attention-tpu")
   same = same and same_diffusers
 
-  print("== 8. ahead-of-time compiles with libtpu (the real TPU compiler; no TPU here)")
+  print(f"== 8. get_kernel('{org}/gated-delta-rule-tpu', version=1) and "
+        f"get_kernel('{org}/causal-conv1d-tpu', version=1) under a tiny Qwen3.5 (random "
+        "weights) through Transformers' kernelize on from_pretrained")
+  same_linear = linear_attention_generates_like_stock(org)
+  same = same and same_linear
+
+  print("== 9. ahead-of-time compiles with libtpu (the real TPU compiler; no TPU here)")
   import aot_summary
 
   compile_failures = aot_summary.main()
