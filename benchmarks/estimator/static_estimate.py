@@ -27,7 +27,7 @@ def compile_on_chip(fn, specs, chip: str, *, auto_out_layout: bool = False):
   if auto_out_layout:
     from jax.experimental.layout import Format, Layout
     jitted = jax.jit(fn, out_shardings=Format(Layout.AUTO,
-                                              jax.sharding.SingleDeviceSharding(device)))
+                                              jax.sharding.make_single_device_sharding(device)))
   else:
     jitted = jax.jit(fn)
   return jitted.trace(*args).lower().compile()
