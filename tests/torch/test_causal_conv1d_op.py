@@ -213,3 +213,22 @@ def test_opcheck(conv_ops):
                                                "silu", False))
   opcheck(conv_ops.causal_conv1d_update_op, (x[:, :, :1].contiguous(), torch.randn(1, 24, 4),
                                              w, b, "silu"))
+
+
+def test_torch_compile_fullgraph(conv):
+  """torch.compile(fullgraph=True) of the conv over a channels-last view and an in-place
+  update: one graph, the same output and the same state as eager."""
+  gen = torch.Generator().manual_seed(0)
+  x, w = torch.randn(1, 9, 24, generator=gen), torch.randn(24, 4, generator=gen)
+  step, state = torch.randn(1, 24, 1, generator=gen), torch.randn(1, 24, 4, generator=gen)
+
+  def block(x, w, step, state):
+    out = conv.causal_conv1d_fn(x.transpose(1, 2), w, None, activation="silu")
+    return out, conv.causal_conv1d_update(step, state, w, None, "silu")
+
+  states = [state.clone(), state.clone()]
+  got = torch.compile(block, fullgraph=True)(x, w, step, states[0])
+  want = block(x, w, step, states[1])
+  for a, b in zip((*got, states[0]), (*want, states[1])):
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+  assert not torch.equal(states[0], state)   # the compiled update wrote the caller's state

@@ -293,3 +293,23 @@ def test_opcheck(gdn_ops):
   opcheck(gdn_ops.chunk_gated_delta_rule_op, (*a, None, 0.25, True, True))
   opcheck(gdn_ops.chunk_gated_delta_rule_backward_op,
           (*a, None, cot["do"], cot["dht"], 0.25, True))
+
+
+def test_torch_compile_fullgraph(gdn):
+  """torch.compile(fullgraph=True) of a prefill then a decode step: one graph, the same
+  results as eager (the layers say can_torch_compile)."""
+  x, _, _ = _inputs(_problem(seq=5, batch=1))
+  q, k, v, g, beta, h0 = (x[n].detach() for n in ("query", "key", "value", "g", "beta",
+                                                 "initial_state"))
+
+  def block(q, k, v, g, beta, h0):
+    o, state = gdn.chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0,
+                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o1, state = gdn.fused_recurrent_gated_delta_rule(
+        q[:, :1], k[:, :1], v[:, :1], g=g[:, :1], beta=beta[:, :1], initial_state=state,
+        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return o, o1, state
+
+  for got, want in zip(torch.compile(block, fullgraph=True)(q, k, v, g, beta, h0),
+                       block(q, k, v, g, beta, h0)):
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

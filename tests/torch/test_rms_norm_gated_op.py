@@ -145,3 +145,15 @@ def test_layer_matches_each_class(rms, cls):
   picked = {k[1:4]: v for k, v in vars(layers)["_GATED_CHECKED"].items() if k[0] is cls}
   bf16 = picked[(torch.bfloat16, torch.bfloat16, torch.bfloat16)]
   assert bf16 == (cls.__name__.removesuffix("RMSNormGated") in ROUNDS_TO_INPUT_DTYPE)
+
+
+def test_torch_compile_fullgraph(rms):
+  gen = torch.Generator().manual_seed(0)
+  x, gate, w = (torch.randn(7, 16, generator=gen), torch.randn(7, 16, generator=gen),
+                torch.randn(16, generator=gen))
+
+  def block(x, gate, w):
+    return rms.rms_norm_gated(x, gate, w, 1e-5, activation="sigmoid")
+
+  torch.testing.assert_close(torch.compile(block, fullgraph=True)(x, gate, w), block(x, gate, w),
+                             rtol=0, atol=0)
