@@ -65,18 +65,24 @@ def tiny_qwen3_moe(dtype):
 
 
 def moe_generates_like_stock(repo_id: str, prompt) -> bool:
-  """The user flow of ragged-dot-tpu: register experts_forward, generate, compare."""
+  """The user flow of ragged-dot-tpu: register experts_forward, load with
+  from_pretrained(..., experts_implementation=...) (Transformers 5.25 kernelizes on load;
+  the experts stay the kernel's), generate, compare with the checkpoint's eager experts."""
+  import tempfile
+
   import torch
+  from transformers import AutoModelForCausalLM
 
   import transformers_integration as ti
 
   ragged = ti.register_ragged_experts(repo_id)
   print(f"   loaded {ragged.__name__}; registered experts implementation '{ti.EXPERTS_NAME}'")
-  model = tiny_qwen3_moe(torch.float32)
+  with tempfile.TemporaryDirectory() as path:
+    tiny_qwen3_moe(torch.float32).save_pretrained(path)
+    stock = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=ti.EXPERTS_NAME)
   start = time.perf_counter()
-  model.set_experts_implementation("eager")
-  expected = model.generate(prompt, max_new_tokens=8, do_sample=False)
-  model.set_experts_implementation(ti.EXPERTS_NAME)
+  expected = stock.generate(prompt, max_new_tokens=8, do_sample=False)
   got = model.generate(prompt, max_new_tokens=8, do_sample=False)
   same = torch.equal(got, expected)
   print(f"   stock experts:  {expected[0, prompt.shape[1]:].tolist()}")
@@ -86,8 +92,13 @@ def moe_generates_like_stock(repo_id: str, prompt) -> bool:
 
 
 def attention_generates_like_eager(repo_id: str, prompt) -> bool:
-  """The user flow of flash-attention-tpu: register_attention, generate, compare."""
+  """The user flow of flash-attention-tpu: register_attention, load with
+  from_pretrained(..., attn_implementation="tpu_attention"), generate, compare with the
+  checkpoint's eager attention."""
+  import tempfile
+
   import torch
+  from transformers import AutoModelForCausalLM
 
   import transformers_integration as ti
 
@@ -97,9 +108,10 @@ def attention_generates_like_eager(repo_id: str, prompt) -> bool:
   # Seed 1: this random gpt-oss does not fall into repeating one token (tiny Gemma 2
   # models do, for every seed tried), so the comparison sees 8 different decisions.
   eager = ti.tiny_attention_model("gpt_oss", torch.float32, seed=1)
-  tpu = ti.tiny_attention_model("gpt_oss", torch.float32, seed=1,
-                                attn_implementation=kernel.DEFAULT_ATTENTION_NAME)
-  tpu.load_state_dict(eager.state_dict())
+  with tempfile.TemporaryDirectory() as path:
+    eager.save_pretrained(path)
+    tpu = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation=kernel.DEFAULT_ATTENTION_NAME)
   start = time.perf_counter()
   expected = eager.generate(prompt, max_new_tokens=8, do_sample=False)
   got = tpu.generate(prompt, max_new_tokens=8, do_sample=False)
