@@ -149,8 +149,10 @@ def test_test_mapping_follows_build_toml_and_names():
   for rel, expected in cases.items():
     assert release.kernel_of_test_path(ROOT / rel, manifest) == expected, rel
   files = release.test_files("rms-norm-tpu", manifest)
-  assert files == {"property": ["tests/jax/test_rms_norm_kernel.py",
+  assert files == {"property": ["tests/jax/test_rms_norm_gated_kernel.py",
+                                "tests/jax/test_rms_norm_kernel.py",
                                 "tests/torch/test_rms_norm_all_families.py",
+                                "tests/torch/test_rms_norm_gated_op.py",
                                 "tests/torch/test_rms_norm_op.py"],
                    "aot": ["tests/jax/test_aot_compile.py"]}
   extra_aot = {"flash-attention-tpu": ["tests/jax/test_flash_attention_diffusers_aot.py"]}
