@@ -44,10 +44,10 @@ def rate(model: str, m: int, part: str, chip: str, implementation: str) -> dict:
     row.update(tiling=r["tiling"], compute_us=roofline.compute_us(r["estimated_cycles"], c),
                hbm_bytes=r["hbm_bytes"])
   else:
-    r = xla_cost(lambda: xla_ops.grouped_matmul_program(case), chip)
+    r = xla_cost(lambda: xla_ops.grouped_matmul_program(case), chip, case.min_bytes())
     if not r["compiled"]:
       return dict(row, error=r["error"])
-    row.update(compute_us=r["compute_us"], hbm_bytes=r["hbm_bytes"])
+    row.update(compute_us=r["compute_us"], hbm_bytes=r["hbm_bytes"], method=r["method"])
   row["hbm_us"] = roofline.hbm_us(row["hbm_bytes"], c)
   row["predicted_us"] = max(row["compute_us"], row["hbm_us"])
   row["efficiency"] = row["roofline_us"] / row["predicted_us"]

@@ -153,5 +153,5 @@ def implementations(case) -> list[protocol.Implementation]:
   if rated_by == STATIC:
     rate = lambda chip: static_estimate.whole_program(*program(case), chip, case.min_bytes())
     return [protocol.Implementation(case.name, name, protocol.XLA, rate)]
-  rate = lambda chip: xla_cost(lambda: program(case), chip)
+  rate = lambda chip: xla_cost(lambda: program(case), chip, case.min_bytes())
   return [protocol.Implementation(case.name, name, protocol.XLA, rate, static_profile=False)]
