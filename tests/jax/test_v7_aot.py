@@ -1,6 +1,6 @@
 """Every kernel compiles ahead of time for v7 (Ironwood, `TPU7x`).
 
-CI runs this module on its second leg (.venv-jax012, libtpu 0.0.50.1: the newer compiler
+CI runs this module on its second leg (.venv-jax012, libtpu 0.0.52: the newer compiler
 for the newest chip); scripts/test.sh deselects it on leg 1, whose libtpu 0.0.42.1
 compiles it too (22 passed on 2026-12-06). A libtpu without the TPU7x topology skips it,
 saying why. On v7 each TensorCore is its own JAX device (the chip table's v7 row is per
