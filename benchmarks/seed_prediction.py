@@ -2,22 +2,22 @@
 Transformers' default experts implementation) as a prediction: static estimates, not
 measurements.
 
-What Transformers 5.23.0 runs by default (read from the installed package):
-  * `PreTrainedModel.get_correct_experts_implementation` (modeling_utils.py:1883-1902)
+What Transformers 5.25.0 runs by default (read from the installed package):
+  * `PreTrainedModel.get_correct_experts_implementation` (modeling_utils.py:1893-1915)
     picks "grouped_mm" when none is requested; it falls back to eager only if the model
     class lacks `@use_experts_implementation` (`_grouped_mm_can_dispatch`, :1674;
-    Qwen3MoeExperts has it: models/qwen3_moe/modeling_qwen3_moe.py:208).
+    Qwen3MoeExperts has it: models/qwen3_moe/modeling_qwen3_moe.py:210).
   * `grouped_mm_experts_forward` (integrations/moe.py:424-537): sort the T*K (token,
     expert) pairs, gather the token rows, histc + cumsum offsets, `_grouped_linear` with
     `weight.transpose(-2, -1)` (Qwen3 stores gate_up (E, 2I, H), down (E, H, I)), gate,
     routing weights, unsort, sum over K.
   * On a "tpu" tensor `_can_use_grouped_mm` returns True whenever torch has
-    `nn.functional.grouped_mm` (moe.py:316-319; torch 2.13 has it), so the call is
+    `nn.functional.grouped_mm` (moe.py:318-319; torch 2.13 has it), so the call is
     `torch.nn.functional.grouped_mm`, which TorchTPU 0.2.0 lowers itself
     (`AtenGroupedMm` / `BuildGroupedMmShlo` in csrc/ops/grouped_mm/grouped_mm_aten_kernels.cc;
     the same library carries `chlo::RaggedDot`): here it is written as XLA's
     `jax.lax.ragged_dot`, which XLA compiles for TPU to its own "ragged-dot" Mosaic custom call.
-  * Expert parallelism: `base_model_ep_plan` (configuration_qwen3_moe.py:70) marks the
+  * Expert parallelism: `base_model_ep_plan` (configuration_qwen3_moe.py:66) marks the
     experts "ep_dispatch_experts"; at inference with ep_size == tp_size the default
     `AutoEP` takes `AllReduceEP` (distributed/expert_parallel.py:262-323): every rank runs
     its own E/ep experts on the whole batch, routes to other ranks' experts get the local
