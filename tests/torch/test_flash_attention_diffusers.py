@@ -82,13 +82,15 @@ def _np(t):
 
 
 def _check_calls_against_reference(calls, dtype_name):
-  """Each recorded op call's out and lse against the float64 reference."""
+  """Each recorded op call's out and lse against the float64 reference, with the call's
+  own causal flag, q_offset and segment ids."""
   for args, (out, lse) in calls:
-    q, k, v, sinks, q_seg, kv_seg, _, causal, sm_scale, window, cap, _ = args
-    assert sinks is None and window == 0 and cap == 0.0 and not causal
+    q, k, v, sinks, q_seg, kv_seg, offset, causal, sm_scale, window, cap, _ = args
+    assert sinks is None and window == 0 and cap == 0.0
     segments = None if kv_seg is None else (q_seg.numpy(), kv_seg.numpy())
     failures = ref.attention_mismatches(dtype_name, _np(q), _np(k), _np(v), _np(out), _np(lse),
-                                        sm_scale=sm_scale, segment_ids=segments)
+                                        sm_scale=sm_scale, segment_ids=segments,
+                                        causal=causal, q_offset=int(offset[0]))
     assert not failures, f"call with q {tuple(q.shape)}, k {tuple(k.shape)}: {failures}"
 
 
@@ -142,6 +144,7 @@ def test_model_matches_native(registered, op_calls, family, dtype_name):
   # One op call per attention module (SD3: 2 joint + 1 image-only; Flux: 2; Wan: self and
   # cross; Qwen-Image: 1), each right against the float64 reference.
   assert len(op_calls) == _attention_module_count(registered, model)
+  assert not any(args[7] for args, _ in op_calls)      # none of these four is causal
   _check_calls_against_reference(op_calls, dtype_name)
   if padded:   # the text padding mask arrived as segment ids: text first, then image
     mask = inputs["encoder_hidden_states_mask"].to(torch.int32)
@@ -262,9 +265,17 @@ def _qkv(batch=1, q_len=5, kv_len=7, q_heads=2, kv_heads=2, head_dim=64, dtype=t
 
 BAD = {
     "additive float mask": (dict(attn_mask=torch.zeros(1, 7)), NotImplementedError,
-                            "boolean key masks only"),
-    "per-query mask": (dict(attn_mask=torch.ones(1, 1, 5, 7, dtype=torch.bool)),
-                       NotImplementedError, "same keys for every query"),
+                            "boolean masks only"),
+    # a band (query i sees keys i + 1 ... i + 2): per query, but no key mask and causal
+    "per-query mask of another pattern": (
+        dict(attn_mask=torch.ones(5, 7, dtype=torch.bool).tril(2).triu(1)[None, None]),
+        NotImplementedError, "pattern the kernel does not compute"),
+    "per-head mask": (dict(attn_mask=torch.ones(1, 2, 5, 7, dtype=torch.bool)),
+                      NotImplementedError, "differ per head"),
+    "is_causal and a per-query mask": (
+        dict(attn_mask=torch.ones(5, 7, dtype=torch.bool).tril(2)[None, None], is_causal=True),
+        ValueError, "one or the other"),
+    "flex BlockMask": (dict(block_mask=True), NotImplementedError, "QwenImage21AttnProcessor"),
     "3-D mask": (dict(attn_mask=torch.ones(1, 1, 7, dtype=torch.bool)), NotImplementedError,
                  "3-D masks"),
     "mask of other keys": (dict(attn_mask=torch.ones(1, 6, dtype=torch.bool)),
@@ -286,6 +297,11 @@ def test_bad_input_gives_clear_error(registered, case):
   q, k, v = _qkv(kv_heads=kwargs.pop("kv_heads", 2))
   if kwargs.pop("query_3d", False):
     q = q[0]
+  if kwargs.pop("block_mask", False):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    kwargs["attn_mask"] = create_block_mask(lambda b, h, i, j: j <= i, 1, None, 5, 7,
+                                            device="cpu", _compile=False)
   with pytest.raises(error, match=match):
     registered.diffusers_attention(q, k, v, **kwargs)
 
@@ -395,3 +411,206 @@ def test_dispatcher_call_compiles_fullgraph(registered, dispatch):
   want = torch.nn.functional.scaled_dot_product_attention(
       q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask).transpose(1, 2)
   ref.assert_close(got, want, TOL, what="compiled dispatch")
+
+
+# ---------------------------------------------------------------- per-query (causal) masks
+#
+# Qwen-Image-2.1's block-causal prefill, as its default processor sends it: one call per
+# prefix segment, a text segment's queries over every key up to its end, causal over its
+# own keys (bottom-right: the last query sees the last key), padded text keys masked.
+
+
+def _causal_mask(batch, q_len, kv_len, offset, keys):
+  """bool [batch, 1, q_len, kv_len]: keys[b, j] and j <= i + offset (offset None: keys only)."""
+  rows = keys[:, None, :].expand(batch, q_len, kv_len)
+  if offset is not None:
+    i = torch.arange(q_len)[:, None]
+    rows = rows & (torch.arange(kv_len)[None, :] <= i + offset)
+  return rows[:, None]
+
+
+MASK_PATTERNS = {   # (q_len, kv_len, q_offset the mask means: None for a key mask)
+    "text segment after an image (bottom-right)": (6, 25, 19),
+    "first text segment (square)": (3, 3, 0),
+    "top-left, query shorter": (6, 25, 0),
+    "key mask as rows": (16, 41, None),
+}
+
+
+@pytest.mark.parametrize("pattern", MASK_PATTERNS, ids=list(MASK_PATTERNS))
+def test_per_query_masks_reach_the_kernel_as_causal_and_segments(registered, op_calls, pattern):
+  """A [B, 1, Sq, Skv] boolean mask that is a key mask AND a causal mask (bottom-right or
+  top-left), or a key mask repeated per query, runs as the kernel's causal flag, q_offset
+  and key segment ids: the recorded call says so, and out / lse match the float64
+  reference of the mask itself (SDPA with that mask, in f64)."""
+  q_len, kv_len, offset = MASK_PATTERNS[pattern]
+  q, k, v = _qkv(batch=2, q_len=q_len, kv_len=kv_len, head_dim=128, seed=6)
+  keys = torch.ones(2, kv_len, dtype=torch.bool)
+  keys[1, 1] = False                                  # a hole and padding, row 1 only
+  keys[1, min(kv_len, 2):min(kv_len, 3)] = False
+  mask = _causal_mask(2, q_len, kv_len, offset, keys)
+  out, lse = registered.diffusers_attention(q, k, v, attn_mask=mask, return_lse=True)
+  (args, _), = op_calls
+  assert args[7] == (offset is not None) and int(args[6][0]) == (offset or 0)
+  want = torch.nn.functional.scaled_dot_product_attention(
+      *(t.transpose(1, 2).double() for t in (q, k, v)), attn_mask=mask).transpose(1, 2)
+  ref.assert_close(out, want, TOL, what=pattern)
+  _check_calls_against_reference(op_calls, "float32")
+
+
+QWEN21_LAYERS = 2
+QWEN21_IMAGE = (1, 4, 4)        # condition and target image, latent tokens (frame, h, w)
+
+
+def _qwenimage21(layers=QWEN21_LAYERS, seed=0):
+  """A tiny Qwen-Image-2.1 transformer (its own config class, f32, random weights):
+  `layers` blocks of 2 heads x 128 (the real head_dim)."""
+  from diffusers import QwenImage21Transformer2DModel
+
+  torch.manual_seed(seed)
+  return QwenImage21Transformer2DModel(
+      patch_size=1, in_channels=16, out_channels=16, num_layers=layers,
+      attention_head_dim=128, num_attention_heads=2, context_in_dim=32,
+      axes_dims_rope=(16, 56, 56)).eval()
+
+
+def _qwenimage21_inputs(step: int, padded: bool = True) -> dict:
+  """The transformer's inputs as QwenImage21Pipeline passes them at denoising step `step`
+  (latents and timestep change per step, the prompt and condition image do not): a
+  vision-language sequence of 3 text tokens, one condition image (4 slots of 2 x 2
+  latents), 6 text tokens, then the target image's 4 slots the pipeline appends. Joint
+  sequence: 3 text + 16 image + 6 text + 16 target = 41 tokens; prefix 25. padded: row 1
+  of the prompt mask has a hole (text token 1) and padding (its last 2 tokens)."""
+  gen = torch.Generator().manual_seed(10)
+  prompt = torch.randn(di.BATCH, 13, 32, generator=gen)
+  condition = torch.randn(di.BATCH, 16, 16, generator=gen)
+  target = torch.randn(di.BATCH, 16, 16, generator=torch.Generator().manual_seed(20 + step))
+  img_mask = torch.zeros(di.BATCH, 17, dtype=torch.bool)
+  img_mask[:, 3:7] = img_mask[:, 13:] = True
+  inputs = dict(hidden_states=torch.cat([condition, target], dim=1),
+                encoder_hidden_states=prompt, timestep=torch.full((di.BATCH,), 0.9 - 0.3 * step),
+                img_shapes=[[QWEN21_IMAGE, QWEN21_IMAGE]] * di.BATCH, img_mask=img_mask)
+  if padded:
+    mask = torch.ones(di.BATCH, 13, dtype=torch.bool)
+    mask[1, 1] = False
+    mask[1, 11:] = False
+    inputs["encoder_hidden_states_mask"] = mask
+  return inputs
+
+
+def _qwenimage21_run(model):
+  """Two denoising steps as the pipeline runs them with its KV cache: step 0 prefills
+  ("extract": the block-causal prefill, caching the 25 prefix tokens' K/V per block), step
+  1 decodes ("cached": the target's 16 queries over cached prefix + target keys).
+  Returns (step 0 output, step 1 output, the cache)."""
+  from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+  cache = QwenImage21KVCache(QWEN21_LAYERS)
+  with torch.no_grad():
+    first = model(**_qwenimage21_inputs(0), kv_cache=cache, kv_cache_mode="extract",
+                  return_dict=False)[0]
+    second = model(**_qwenimage21_inputs(1), kv_cache=cache, kv_cache_mode="cached",
+                   return_dict=False)[0]
+  return first, second, cache
+
+
+def test_qwenimage21_kv_cache_steps_match_native(registered, op_calls):
+  """Qwen-Image-2.1 (diffusers' default QwenImage21AttnProcessor), padded prompt, f32: the
+  prefill step, the K/V it caches (block 1's depend on block 0's attention) and the cached
+  step equal native's. Per block the prefill makes 4 kernel calls (text 0-3 causal
+  square, image 3-19 over keys 0-19, text 19-25 causal at q_offset 19 over keys 0-25,
+  target over all 41) and the cached step one; each is checked against the float64
+  reference."""
+  model = _qwenimage21()
+  model.set_attention_backend("native")
+  want_first, want_second, want_cache = _qwenimage21_run(model)
+  assert not op_calls
+  registered.set_diffusers_backend(model)
+  got_first, got_second, got_cache = _qwenimage21_run(model)
+  ref.assert_close(got_first, want_first, TOL, what="prefill step")
+  ref.assert_close(got_second, want_second, TOL, what="cached step")
+  for layer, (got, want) in enumerate(zip(got_cache.layer_caches, want_cache.layer_caches)):
+    ref.assert_close(got.k, want.k, TOL, what=f"cached k, block {layer}")
+    ref.assert_close(got.v, want.v, TOL, what=f"cached v, block {layer}")
+
+  shapes = [(args[0].shape[2], args[1].shape[2], args[7], int(args[6][0]))
+            for args, _ in op_calls]        # (queries, keys, causal, q_offset)
+  prefill = [(3, 3, True, 0), (16, 19, False, 0), (6, 25, True, 19), (16, 41, False, 0)]
+  assert shapes == prefill * QWEN21_LAYERS + [(16, 41, False, 0)] * QWEN21_LAYERS
+  _check_calls_against_reference(op_calls, "float32")
+
+
+def test_qwenimage21_flex_processor_is_swapped(registered, op_calls):
+  """QwenImage21FlexAttnProcessor sends its prefill (a flex BlockMask) to "flex" by name,
+  whatever backend is set; set_diffusers_backend swaps it for Diffusers' per-segment
+  QwenImage21AttnProcessor, whose prefill equals the flex one (native flex, unpadded
+  prompt, f32) on the kernel."""
+  from diffusers.models.transformers.transformer_qwenimage21 import (
+      QwenImage21AttnProcessor, QwenImage21FlexAttnProcessor)
+
+  model = _qwenimage21(layers=1)
+  model.set_attn_processor(QwenImage21FlexAttnProcessor())
+  model.set_attention_backend("native")
+  inputs = _qwenimage21_inputs(0, padded=False)
+  want = _forward(model, inputs)
+  assert not op_calls
+  registered.set_diffusers_backend(model)
+  assert all(type(m.processor) is QwenImage21AttnProcessor
+             for _, m in registered.diffusers_backend._attention_modules(model))
+  ref.assert_close(_forward(model, inputs), want, TOL, what="flex prefill")
+  assert len(op_calls) == 4          # text, image, text, target
+
+
+def _minimax_h3(seed=0):
+  """A tiny MiniMax-H3 transformer (its own config class, f32, random weights): one token
+  refiner block and one transformer block, 2 heads x 128 (the real head_dim; the model
+  has 56), 3 x 16 rotary frequencies as the real one."""
+  from diffusers import MiniMaxH3Transformer3DModel
+
+  torch.manual_seed(seed)
+  return MiniMaxH3Transformer3DModel(
+      num_attention_heads=2, attention_head_dim=128, hidden_size=64, num_layers=1,
+      num_refiner_layers=1, ffn_dim=64, in_channels=4, audio_in_channels=4, text_dim=32,
+      freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32).eval()
+
+
+def _minimax_h3_inputs() -> dict:
+  """One packed sequence as the model takes it: 5 text rows, 2 frames x 2 x 3 video rows
+  (the first frame a conditioning frame at t = 0), 4 audio rows: 21 rows, odd."""
+  gen = torch.Generator().manual_seed(3)
+  text, video, audio = 5, 12, 4
+  seq = text + video + audio
+  t, h, w = torch.meshgrid(torch.arange(2), torch.arange(2), torch.arange(3), indexing="ij")
+  position_ids = torch.cat([torch.zeros(text, 3, dtype=torch.long),
+                            torch.stack([t, h, w], -1).reshape(-1, 3) + 1,
+                            torch.arange(audio)[:, None].expand(audio, 3) + 1])
+  timestep_indices = torch.ones(seq, dtype=torch.long)
+  timestep_indices[:text + 6] = 0                     # text and the conditioning frame
+  token_tags = torch.tensor([1] * text + [0] * video + [2] * audio)
+  return dict(hidden_states=torch.randn(di.BATCH, video, 16, generator=gen),
+              audio_hidden_states=torch.randn(di.BATCH, audio, 4, generator=gen),
+              encoder_hidden_states=torch.randn(di.BATCH, text, 32, generator=gen),
+              timestep=torch.tensor([0.0, 0.6]), timestep_indices=timestep_indices,
+              token_tags=token_tags, position_ids=position_ids,
+              text_indices=torch.arange(text), video_indices=torch.arange(text, text + video),
+              audio_indices=torch.arange(text + video, seq))
+
+
+def test_minimax_h3_matches_native(registered, op_calls):
+  """MiniMax-H3 (full bidirectional attention over one packed text + video + audio
+  sequence, no mask), f32: video and audio outputs equal native's; one kernel call per
+  attention module (refiner and block), non-causal, each checked against the float64
+  reference."""
+  model = _minimax_h3()
+  inputs = _minimax_h3_inputs()
+  model.set_attention_backend("native")
+  with torch.no_grad():
+    want_video, want_audio = model(**inputs, return_dict=False)
+  assert registered.set_diffusers_backend(model) == BACKEND
+  with torch.no_grad():
+    got_video, got_audio = model(**inputs, return_dict=False)
+  ref.assert_close(got_video, want_video, TOL, what="video")
+  ref.assert_close(got_audio, want_audio, TOL, what="audio")
+  assert len(op_calls) == _attention_module_count(registered, model) == 2
+  assert not any(args[7] or args[5] is not None for args, _ in op_calls)
+  _check_calls_against_reference(op_calls, "float32")

@@ -29,14 +29,37 @@ for `JointAttnProcessor` (the same projections, norms and split, attention throu
 dispatcher), sets the backend, and refuses, before changing anything, a model with any
 other attention processor that bypasses the dispatcher.
 
-Masks: the kernel takes no [Sq, Skv] mask, only segment ids. A boolean key mask (True =
-attend) that is the same for every query and head ([Skv], [B, Skv] as Diffusers' native
-backend reads it, or [B, 1, 1, Skv]) becomes segment ids: keys 1 where True and 0
-where False, every query 1. That is Qwen-Image's mask (padded text tokens,
-`encoder_hidden_states_mask`); Flux, Wan and SD3 pass none. Anything else (an additive
-float mask, a mask that varies per query or head, a 3-D mask, which SDPA would read as
-[H, Sq, Skv]) raises NotImplementedError. A query row whose keys are all masked gives 0
+Masks: the kernel takes no [Sq, Skv] mask; it has segment ids (key j visible from query i
+only if their ids are equal) and a causal mask at an offset (key j visible from query i
+only if j <= q_offset + i). A boolean mask (True = attend) becomes those:
+
+  * a key mask, the same for every query and head ([Skv], [B, Skv] as Diffusers' native
+    backend reads it, or [B, 1, 1, Skv]): segment ids, keys 1 where True and 0 where
+    False, every query 1. That is Qwen-Image's mask (padded text tokens,
+    `encoder_hidden_states_mask`) and Qwen-Image-2.1's for its image blocks and cached
+    steps. Taken as it is: no look at its values, nothing to sync.
+  * a per-query mask [B or 1, 1, Sq, Skv] that is a key mask over the union of the keys
+    any query sees, optionally AND a causal mask aligned bottom-right (q_offset = Skv - Sq:
+    the last query sees the last key, as in chunked prefill) or top-left (q_offset = 0,
+    SDPA's is_causal). That is Qwen-Image-2.1's block-causal prefill, which its default
+    processor (`QwenImage21AttnProcessor`) sends as one call per prefix segment: a text
+    segment's queries over every key up to the segment's end, causal over its own keys,
+    padded text keys masked. The mask is checked against those three patterns on the
+    device (one comparison of the mask with each, one device-to-host sync of three
+    booleans per call, and a graph break under torch.compile) before the kernel runs, so
+    a mask of any other pattern raises instead of being computed as one of them.
+
+Anything else (an additive float mask, a mask that varies per head, a 3-D mask, which SDPA
+would read as [H, Sq, Skv], a per-query mask of another pattern, a flex_attention
+BlockMask) raises NotImplementedError. A query row whose keys are all masked gives 0
 (SDPA gives NaN).
+
+Qwen-Image-2.1's other processor, `QwenImage21FlexAttnProcessor`, sends its prefill (one
+call with a flex `BlockMask`) to the "flex" backend by name, whatever backend is set, and
+only its cached steps to the set backend; a BlockMask's block-causal pattern (causal text
+and whole image blocks in one call) is not one causal mask at one offset, so no single
+kernel call computes it. `set_diffusers_backend` therefore swaps it for
+`QwenImage21AttnProcessor`, Diffusers' exact per-segment form of the same attention.
 """
 
 from __future__ import annotations
@@ -54,30 +77,75 @@ DEFAULT_DIFFUSERS_BACKEND = "flash_tpu"
 _OP = "diffusers_attention"
 
 
-def _key_segment_ids(attn_mask: torch.Tensor, batch: int, q_len: int, kv_len: int):
-  """(q_segment_ids [B, Sq], kv_segment_ids [B, Skv]) int32 for a boolean key mask."""
+def _check_mask_type(attn_mask) -> None:
+  if type(attn_mask).__name__ == "BlockMask":
+    raise NotImplementedError(
+        f"{_OP}: got a flex_attention BlockMask; this backend takes boolean tensor masks. For "
+        f"Qwen-Image-2.1 use QwenImage21AttnProcessor (its per-segment prefill; "
+        f"set_diffusers_backend swaps QwenImage21FlexAttnProcessor for it), or the 'flex' "
+        f"backend for BlockMasks")
   if not isinstance(attn_mask, torch.Tensor):
     raise TypeError(f"{_OP}: attn_mask must be None or a torch.Tensor, got "
                     f"{type(attn_mask).__name__}")
-  shape = tuple(attn_mask.shape)
   if attn_mask.dtype != torch.bool:
     raise NotImplementedError(
-        f"{_OP}: got a {str(attn_mask.dtype).removeprefix('torch.')} attn_mask {shape}; the "
-        f"kernel takes boolean key masks only (True = attend), as segment ids. An additive "
-        f"float mask is not supported: pass the boolean mask it was made from")
+        f"{_OP}: got a {str(attn_mask.dtype).removeprefix('torch.')} attn_mask "
+        f"{tuple(attn_mask.shape)}; the kernel takes boolean masks only (True = attend), as "
+        f"segment ids and a causal offset. An additive float mask is not supported: pass the "
+        f"boolean mask it was made from")
+
+
+def _mask_to_kernel(attn_mask: torch.Tensor, batch: int, q_len: int, kv_len: int,
+                    is_causal: bool):
+  """A boolean mask (with the call's is_causal) as (causal, q_offset, (q_segment_ids [B, Sq],
+  kv_segment_ids [B, Skv]) int32): the kernel's way of computing exactly that mask (module
+  docstring, "Masks"). Raises NotImplementedError for a mask the kernel cannot compute."""
+  _check_mask_type(attn_mask)
+  shape = tuple(attn_mask.shape)
+  batch_ok = len(shape) == 1 or shape[0] in (1, batch)
   # [Skv], [B or 1, Skv] (Diffusers' native backend reads a 2-D mask as [B, Skv]) or
   # [B or 1, 1, 1, Skv]: the same keys for every query and head.
-  key_only = (len(shape) in (1, 2) or (len(shape) == 4 and shape[1:3] == (1, 1)))
-  if not key_only or shape[-1] != kv_len or (len(shape) > 1 and shape[0] not in (1, batch)):
+  key_only = len(shape) in (1, 2) or (len(shape) == 4 and shape[1:3] == (1, 1))
+  # [B or 1, 1, Sq, Skv]: one row of keys per query, the same for every head.
+  per_query = len(shape) == 4 and shape[1] == 1 and shape[2] == q_len
+  if not batch_ok or shape[-1] != kv_len or not (key_only or per_query):
     raise NotImplementedError(
         f"{_OP}: attn_mask of shape {shape} for batch {batch}, {q_len} queries, {kv_len} "
-        f"keys: the kernel masks keys per batch row (segment ids), so it takes a boolean "
-        f"key mask of shape [{kv_len}], [{batch}, {kv_len}] or [{batch}, 1, 1, {kv_len}] "
-        f"(the same keys for every query and head). Masks that differ per query or per "
-        f"head, and 3-D masks, are not supported: use the 'native' backend for them")
-  kv_seg = attn_mask.reshape(-1, kv_len).expand(batch, kv_len).to(torch.int32)
+        f"keys: the kernel takes a boolean key mask of shape [{kv_len}], [{batch}, {kv_len}] "
+        f"or [{batch}, 1, 1, {kv_len}] (the same keys for every query and head), or a "
+        f"per-query mask [{batch}, 1, {q_len}, {kv_len}] of a causal pattern (see the "
+        f"module docstring). Masks that differ per head, and 3-D masks, are not supported: "
+        f"use the 'native' backend for them")
+  causal, q_offset = is_causal, 0
+  if key_only:
+    keys = attn_mask.reshape(-1, kv_len)
+  else:
+    if is_causal:
+      raise ValueError(f"{_OP}: is_causal=True with a per-query attn_mask {shape}: pass one "
+                       f"or the other (SDPA refuses both too)")
+    rows = attn_mask[:, 0]                                  # [B or 1, Sq, Skv]
+    keys = rows.any(dim=1)                                  # keys some query sees
+    query_pos = torch.arange(q_len, device=rows.device)[:, None]
+    key_pos = torch.arange(kv_len, device=rows.device)[None, :]
+    # (causal, q_offset) candidates, cheapest kernel call first; a bottom-right offset
+    # must be >= 0 (Skv >= Sq).
+    candidates = [(False, 0), (True, 0)]
+    if kv_len > q_len:
+      candidates.insert(1, (True, kv_len - q_len))
+    patterns = [keys[:, None, :] & (key_pos <= query_pos + offset) if with_causal
+                else keys[:, None, :].expand_as(rows) for with_causal, offset in candidates]
+    matches = torch.stack([(rows == p).all() for p in patterns])   # one sync below
+    found = [c for c, hit in zip(candidates, matches.tolist()) if hit]
+    if not found:
+      raise NotImplementedError(
+          f"{_OP}: attn_mask {shape} differs per query in a pattern the kernel does not "
+          f"compute: it computes a key mask (the same keys for every query), optionally with "
+          f"a causal mask aligned bottom-right (query i sees keys j <= i + {kv_len - q_len}) "
+          f"or top-left (j <= i). Use the 'native' backend for other masks")
+    causal, q_offset = found[0]
+  kv_seg = keys.expand(batch, kv_len).to(torch.int32)
   q_seg = kv_seg.new_ones((batch, q_len))
-  return q_seg, kv_seg
+  return causal, q_offset, (q_seg, kv_seg)
 
 
 def diffusers_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -94,10 +162,13 @@ def diffusers_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     query: [B, Sq, Hq, D] float32 / bfloat16 (Diffusers' layout).
     key, value: [B, Skv, Hkv, D] in query's dtype; Hkv == Hq unless enable_gqa (then Hq a
       multiple of Hkv: grouped-query attention without repeating K and V).
-    attn_mask: None or a boolean key mask, True = attend: [Skv], [B, Skv] or
-      [B, 1, 1, Skv] (see the module docstring); anything else raises.
+    attn_mask: None or a boolean mask, True = attend: a key mask [Skv], [B, Skv] or
+      [B, 1, 1, Skv], or a per-query mask [B, 1, Sq, Skv] that is a key mask AND a causal
+      mask aligned bottom-right or top-left (see the module docstring); anything else
+      raises.
     dropout_p: must be 0.0 (the kernel has no dropout).
-    is_causal: key j visible from query i only if j <= i (SDPA's top-left alignment).
+    is_causal: key j visible from query i only if j <= i (SDPA's top-left alignment);
+      with a per-query attn_mask it raises (the mask carries its own causal pattern).
     scale: logit scale, default 1 / sqrt(D).
     return_lse: also return the log-sum-exp, lse [B, Sq, Hq] float32 (model layout, as
       Diffusers' native flash ops return it); differentiable.
@@ -139,13 +210,13 @@ def diffusers_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
   if num_q_heads != num_kv_heads and not enable_gqa:
     raise ValueError(f"{_OP}: query has {num_q_heads} heads and key {num_kv_heads}; pass "
                      f"enable_gqa=True for grouped-query attention (as SDPA requires)")
-  segment_ids = None
+  causal, q_offset, segment_ids = bool(is_causal), 0, None
   if attn_mask is not None:
-    segment_ids = _key_segment_ids(attn_mask, batch, q_len, kv_len)
+    causal, q_offset, segment_ids = _mask_to_kernel(attn_mask, batch, q_len, kv_len, causal)
   soft_cap = softcap if softcap else None
   result = flash_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                           causal=bool(is_causal), sm_scale=scale, soft_cap=soft_cap,
-                           segment_ids=segment_ids, return_lse=return_lse)
+                           causal=causal, sm_scale=scale, soft_cap=soft_cap,
+                           segment_ids=segment_ids, q_offset=q_offset, return_lse=return_lse)
   if return_lse:
     out, lse = result
     return out.transpose(1, 2), lse.transpose(1, 2)
@@ -293,22 +364,38 @@ def _attention_modules(model):
   return [(n, m) for n, m in model.named_modules() if isinstance(m, classes)]
 
 
+def _processor_swaps() -> dict:
+  """{processor class that does not reach the set backend: factory of its replacement}.
+
+  SD3's JointAttnProcessor2_0 calls SDPA itself; Qwen-Image-2.1's
+  QwenImage21FlexAttnProcessor sends its prefill to the "flex" backend by name (module
+  docstring). Each replacement computes the same attention through the dispatcher."""
+  from diffusers.models.attention_processor import JointAttnProcessor2_0
+  from diffusers.models.transformers.transformer_qwenimage21 import (
+      QwenImage21AttnProcessor, QwenImage21FlexAttnProcessor)
+
+  return {JointAttnProcessor2_0: JointAttnProcessor,
+          QwenImage21FlexAttnProcessor: QwenImage21AttnProcessor}
+
+
 def set_diffusers_backend(model: torch.nn.Module, name: str = DEFAULT_DIFFUSERS_BACKEND) -> str:
   """Runs every attention of a Diffusers model (e.g. `pipe.transformer`) on this kernel:
-  registers the backend `name`, swaps SD3's `JointAttnProcessor2_0` (which calls SDPA
-  itself) for `JointAttnProcessor`, calls `model.set_attention_backend(name)`, and
-  checks that every attention module now dispatches to it. A model with another
+  registers the backend `name`, swaps the processors that do not reach the set backend
+  (SD3's `JointAttnProcessor2_0`, which calls SDPA itself, for `JointAttnProcessor`;
+  Qwen-Image-2.1's `QwenImage21FlexAttnProcessor`, whose prefill goes to "flex" by name,
+  for Diffusers' `QwenImage21AttnProcessor`), calls `model.set_attention_backend(name)`,
+  and checks that every attention module now dispatches to it. A model with another
   processor that bypasses the dispatcher raises NotImplementedError before anything is
   changed. Returns `name`.
   """
   op = "set_diffusers_backend"
-  from diffusers.models.attention_processor import JointAttnProcessor2_0
+  swaps = _processor_swaps()
 
   modules = _attention_modules(model)
   if not modules:
     raise ValueError(f"{op}: {type(model).__name__} has no Diffusers attention modules")
   bypassing = sorted({type(m.processor).__name__ for _, m in modules
-                      if type(m.processor) is not JointAttnProcessor2_0
+                      if type(m.processor) not in swaps
                       and not hasattr(m.processor, "_attention_backend")})
   if bypassing:
     raise NotImplementedError(
@@ -317,10 +404,12 @@ def set_diffusers_backend(model: torch.nn.Module, name: str = DEFAULT_DIFFUSERS_
         f"set_attention_backend cannot reach them")
   register_diffusers_backend(name)
   for _, module in modules:
-    if type(module.processor) is JointAttnProcessor2_0:
-      module.set_processor(JointAttnProcessor())
+    replacement = swaps.get(type(module.processor))
+    if replacement is not None:
+      module.set_processor(replacement())
   model.set_attention_backend(name)
-  wrong = [n for n, m in modules if getattr(m.processor, "_attention_backend", None) != name]
+  wrong = [n for n, m in modules if getattr(m.processor, "_attention_backend", None) != name
+           or type(m.processor) in swaps]
   if wrong:
     raise RuntimeError(f"{op}: after set_attention_backend({name!r}) these attention modules "
                        f"still use another backend: {wrong}")
