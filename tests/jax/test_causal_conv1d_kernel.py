@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import reference as ref
 import reference_linear as rl
@@ -108,6 +108,12 @@ def _tol(p, table):
   return table[rl.coarsest(p["x_dtype"], p["w_dtype"])]
 
 
+def _a_third_of_the_examples():
+  """For the tests whose every example compiles several new shapes in interpret mode
+  (~5 s each): a third of the profile's examples (4 in CI, 50 in the thorough profile)."""
+  return settings(max_examples=max(2, settings.default.max_examples // 3))
+
+
 @given(conv_problems())
 def test_forward_matches_reference(p):
   _, x, w, b = _inputs(p)
@@ -118,6 +124,7 @@ def test_forward_matches_reference(p):
   ref.assert_close(out, expected, _tol(p, rl.CONV_TOLERANCE), "out", scale)
 
 
+@_a_third_of_the_examples()
 @given(conv_problems(max_t=40))
 def test_gradients_match_reference(p):
   rng, x, w, b = _inputs(p)
@@ -176,6 +183,7 @@ def test_update_matches_reference(p):
   np.testing.assert_array_equal(ref.f64(new_state), expected_state)
 
 
+@_a_third_of_the_examples()
 @given(st.sampled_from([1, 2, 5, 17, 30]), st.integers(1, 6), st.sampled_from([2, 3, 4]),
        st.sampled_from([0, 1]), st.sampled_from(DTYPES), st.sampled_from(DTYPES),
        st.booleans(), st.integers(0, 2**31 - 1))
@@ -209,6 +217,7 @@ def test_prefill_then_updates_equal_one_pass(prefill, steps, width, extra_state,
                                   np.asarray(K.conv_state_from_prefill(x, state_len)))
 
 
+@_a_third_of_the_examples()
 @given(st.lists(st.sampled_from([1, 1, 2, 3, 6, 7]), min_size=1, max_size=7),
        st.sampled_from([2, 4, 7]), st.sampled_from(DTYPES), st.booleans(),
        st.integers(0, 2**31 - 1))

@@ -215,8 +215,8 @@ def _check_grads(p, x, grads, *, with_h0: bool = True):
                   else _dtype_of(primal[name]))
 
 
-def _half_the_examples():
-  return settings(max_examples=max(2, settings.default.max_examples // 2))
+def _a_third_of_the_examples():
+  return settings(max_examples=max(2, settings.default.max_examples // 3))
 
 
 # ----------------------------------------------------------------------------- chunked
@@ -232,7 +232,7 @@ def test_chunked_forward_matches_reference(p, final):
   _check_forward(p, x, o, state)
 
 
-@_half_the_examples()
+@_a_third_of_the_examples()
 @given(p=problems())
 def test_chunked_gradients_match_reference(p):
   """All six gradients (q, k, v, g, beta, initial state), with cotangents on both the
@@ -268,7 +268,7 @@ def test_gradients_without_initial_state_or_final_cotangent():
   _check_grads(p, x, got, with_h0=False)
 
 
-@_half_the_examples()
+@_a_third_of_the_examples()
 @given(p=problems(packed=True))
 def test_packed_sequences_match_reference(p):
   """cu_seqlens (traced, under jit): each sequence from its own initial state, one final
