@@ -17,7 +17,11 @@ __init__ and no members beyond `has_backward` / `can_torch_compile`.
 
 Both read the module's `weight` and its epsilon from `variance_epsilon` or, if it has none,
 `eps` (Transformers' classes use one or the other whatever their formula); a module without
-either, or without a weight, is refused (NotImplementedError).
+an epsilon, or whose `weight` is not a tensor, is refused (NotImplementedError). A module
+with no `weight` at all (or `weight = None`: Gemma 3n's and Gemma 4's `with_scale=False`
+norms, `normalised(x)` with no scale) runs the kernel with a weight of ones in x's dtype
+(scale 1, whichever layer), and is checked against its own forward like the others (its
+own key: one class may build both kinds).
 
 Transformers' classes of one layer name differ in where they round (Llama rounds the
 normalised x to x's dtype before the weight multiply, gpt-oss / OLMoE multiply in float32
@@ -55,21 +59,24 @@ from torch import nn
 # the normalised x first (two roundings of at most 2**-9 each in bfloat16); another formula
 # (1 + w against w) is off by about the whole output.
 _PROBE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-6, torch.float16: 2.0**-9}
-# (module class, offset, x dtype, weight dtype, device type) -> the dtype its own forward
-# returns (the offset: one class mapped to both layers is checked against each formula).
+# (module class, offset, weightless, x dtype, weight dtype, device type) -> the dtype its own
+# forward returns (the offset: one class mapped to both layers is checked against each
+# formula; weightless: one class may build norms with and without a weight).
 _CHECKED: dict = {}
 # Where Transformers' norms keep their epsilon, in the order read.
 _EPSILON_ATTRIBUTES = ("variance_epsilon", "eps")
 
 
-def _epsilon(module: nn.Module, layer: str) -> float:
+def _epsilon(module: nn.Module, layer: str, weightless_allowed: bool = False) -> float:
   eps = None
   for attribute in _EPSILON_ATTRIBUTES:   # a plain loop: torch.compile traces it
     eps = getattr(module, attribute, None)
     if eps is not None:
       break
-  if eps is None or not isinstance(getattr(module, "weight", None), torch.Tensor):
-    missing = ("`weight`" if eps is not None
+  weight = getattr(module, "weight", None)
+  if eps is None or not (isinstance(weight, torch.Tensor)
+                         or (weight is None and weightless_allowed)):
+    missing = ("tensor `weight`" if eps is not None
                else "epsilon attribute (`variance_epsilon` or `eps`)")
     raise NotImplementedError(
         f"rms-norm-tpu layers.{layer}: {type(module).__name__} has no {missing}, so it is "
@@ -95,48 +102,56 @@ def _probe_error(own: torch.Tensor, got: torch.Tensor, module: nn.Module, layer:
 
 
 def _check_against_own_forward(module: nn.Module, x: torch.Tensor, eps: float, offset: float,
-                               layer: str) -> torch.dtype:
+                               layer: str, weightless: bool = False) -> torch.dtype:
   """Runs the module class's own forward and the kernel on one probe row, on x's device:
 
   1. the formula: in float32, on a shallow copy of the module whose weight is the probe's
      own (0.25 to 0.75: neither the 1 nor the 0 a fresh norm starts at), so that the verdict
      does not depend on the module's weights (a norm that scales x before it normalises
-     equals (1 + w) * normalised(x) at w = 0), within 1e-5 of the largest output;
-  2. the rounding: in x's dtype with the module's own weight, within _PROBE_TOLERANCE.
+     equals (1 + w) * normalised(x) at w = 0), within 1e-5 of the largest output; a
+     weightless module (no `weight`) against the kernel with a weight of ones, offset 0;
+  2. the rounding: in x's dtype with the module's own weight (ones in x's dtype if it has
+     none), within _PROBE_TOLERANCE.
 
   Returns the dtype the class's forward gives for x's dtype, or raises NotImplementedError.
   """
   from . import rms_norm
 
   hidden, tolerance = x.shape[-1], _PROBE_TOLERANCE.get(x.dtype)
-  formula = "(1 + weight)" if offset else "weight"
+  formula = "" if weightless else ("(1 + weight) * " if offset else "weight * ")
   if tolerance is None:
     raise NotImplementedError(f"rms-norm-tpu layers.{layer}: x of dtype {x.dtype}")
   probe = _probe_row(hidden, torch.float32, x.device)
-  weight = 0.5 + 0.25 * torch.cos(3.0 * torch.arange(hidden, dtype=torch.float32,
-                                                     device=x.device))
-  twin = copy.copy(module)   # shares every tensor with module; only its weight is the probe's
-  twin._parameters = dict(module._parameters, weight=nn.Parameter(weight, requires_grad=False))
+  if weightless:
+    twin, weight = module, torch.ones(hidden, dtype=torch.float32, device=x.device)
+  else:
+    weight = 0.5 + 0.25 * torch.cos(3.0 * torch.arange(hidden, dtype=torch.float32,
+                                                       device=x.device))
+    twin = copy.copy(module)   # shares every tensor with module; only its weight is the probe's
+    twin._parameters = dict(module._parameters,
+                            weight=nn.Parameter(weight, requires_grad=False))
   with torch.no_grad():
     error, scale = _probe_error(type(module).forward(twin, probe),
                                 rms_norm(probe, weight, eps, offset=offset), module, layer, probe)
   if not error <= _PROBE_TOLERANCE[torch.float32] * max(scale, 1e-30):
     raise NotImplementedError(
         f"rms-norm-tpu layers.{layer}: {type(module).__name__}'s own forward is not "
-        f"{formula} * x * rsqrt(mean(x^2) + eps): on a float32 probe row it differs from "
+        f"{formula}x * rsqrt(mean(x^2) + eps): on a float32 probe row it differs from "
         f"the kernel by {error:.3g} (largest output {scale:.3g}). Do not map it to "
         f"layers.{layer}" + ("" if offset else "; a (1 + weight) norm maps to "
                              "layers.GemmaRMSNorm"))
   probe = _probe_row(hidden, x.dtype, x.device)
+  own_weight = (torch.ones(hidden, dtype=x.dtype, device=x.device) if weightless
+                else module.weight.detach())
   with torch.no_grad():
     own = type(module).forward(module, probe)
     # The class may round the normalised x to x's dtype, whatever dtype it returns.
-    error, scale = _probe_error(own, rms_norm(probe, module.weight.detach(), eps, offset=offset),
+    error, scale = _probe_error(own, rms_norm(probe, own_weight, eps, offset=offset),
                                 module, layer, probe)
   if not error <= tolerance * max(scale, 1e-30):
     raise NotImplementedError(
         f"rms-norm-tpu layers.{layer}: {type(module).__name__}'s own forward computes "
-        f"{formula} * x * rsqrt(mean(x^2) + eps) in float32 but differs from the kernel in "
+        f"{formula}x * rsqrt(mean(x^2) + eps) in float32 but differs from the kernel in "
         f"{x.dtype} by {error:.3g} (largest output {scale:.3g}), more than rounding; do "
         f"not map it to layers.{layer}")
   return own.dtype
@@ -146,7 +161,10 @@ def _forward(module: nn.Module, x: torch.Tensor, eps: float, offset: float,
              layer: str) -> torch.Tensor:
   from . import rms_norm
 
-  weight = module.weight
+  weight = getattr(module, "weight", None)
+  weightless = weight is None
+  if weightless:   # normalised(x), no scale (_epsilon let it through): a weight of ones
+    weight, offset = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device), 0.0
   out = rms_norm(x, weight, eps, offset=offset)
   if torch.compiler.is_compiling():
     # No value check while tracing (it would depend on data). With equal dtypes every
@@ -157,34 +175,37 @@ def _forward(module: nn.Module, x: torch.Tensor, eps: float, offset: float,
     with torch.no_grad():
       own = type(module).forward(module, x.new_zeros((1, x.shape[-1])))
     return out.to(own.dtype)
-  key = (type(module), offset, x.dtype, weight.dtype, x.device.type)
+  key = (type(module), offset, weightless, x.dtype, weight.dtype, x.device.type)
   out_dtype = _CHECKED.get(key)
   if out_dtype is None:
-    out_dtype = _CHECKED[key] = _check_against_own_forward(module, x, eps, offset, layer)
+    out_dtype = _CHECKED[key] = _check_against_own_forward(module, x, eps, offset, layer,
+                                                           weightless)
   return out.to(out_dtype)
 
 
 class RMSNorm(nn.Module):
   """Llama / Qwen / Mistral style: `weight * normalised(x)`; x (..., hidden), weight
-  (hidden,); epsilon in `variance_epsilon` or `eps`."""
+  (hidden,), or none (`normalised(x)`: Gemma 3n's and Gemma 4's with_scale=False);
+  epsilon in `variance_epsilon` or `eps`."""
 
   has_backward = True
   can_torch_compile = True
 
   def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    eps = _epsilon(self, "RMSNorm")
+    eps = _epsilon(self, "RMSNorm", weightless_allowed=True)
     return _forward(self, hidden_states, eps, 0.0, "RMSNorm")
 
 
 class GemmaRMSNorm(nn.Module):
   """Gemma style (also Qwen3.5's zero-centred norm): `(1 + weight) * normalised(x)`; x
-  (..., hidden), weight (hidden,); epsilon in `variance_epsilon` or `eps`."""
+  (..., hidden), weight (hidden,), or none (`normalised(x)`, scale 1); epsilon in
+  `variance_epsilon` or `eps`."""
 
   has_backward = True
   can_torch_compile = True
 
   def forward(self, x: torch.Tensor) -> torch.Tensor:
-    eps = _epsilon(self, "GemmaRMSNorm")
+    eps = _epsilon(self, "GemmaRMSNorm", weightless_allowed=True)
     return _forward(self, x, eps, 1.0, "GemmaRMSNorm")
 
 
