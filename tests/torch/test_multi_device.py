@@ -39,20 +39,17 @@ rank's share.
 
 The two processes run in a network namespace of their own with only loopback up (gloo
 needs TCP; `offline` runs the suite in a namespace whose loopback is down), rendezvous
-through a file:// init_method in tmp_path, and GLOO_SOCKET_IFNAME=lo. The kernels are
+through a file:// init_method in tmp_path, and GLOO_SOCKET_IFNAME=lo (tests/torch/gloo_ranks.py,
+shared with test_flash_attention_diffusers_tp.py). The kernels are
 loaded in each process with the real loader (get_kernel, LOCAL_KERNELS from the fixture).
 One launch runs every case, so the start-up (torch, JAX, Transformers) is paid once.
 """
 
-import json
-import os
-import subprocess
-import sys
-import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
+
+import gloo_ranks
 
 WORLD = 2
 EXPERTS_IMPL, ATTN_IMPL = "tpu_ragged_dot", "tpu_attention"
@@ -131,9 +128,7 @@ def _rank_main(rank: int, work: Path, repos: dict) -> None:
   import torch
   import torch.distributed as dist
 
-  torch.set_num_threads(1)
-  dist.init_process_group("gloo", init_method=f"file://{work / 'rendezvous'}", rank=rank,
-                          world_size=WORLD, timeout=timedelta(minutes=5))
+  gloo_ranks.join(rank, WORLD, work)
   from kernels import get_kernel
   from transformers.distributed import DistributedConfig
   from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -169,49 +164,6 @@ def _rank_main(rank: int, work: Path, repos: dict) -> None:
   dist.destroy_process_group()
 
 
-def _loopback(set_up: bool = False) -> bool:
-  """Whether lo is up in this process's network namespace (ioctl SIOCGIFFLAGS: /sys shows
-  the namespace sysfs was mounted in); with set_up, sets IFF_UP first if it is down (what
-  `ip link set lo up` does; a fresh namespace's lo is down)."""
-  import fcntl
-  import socket
-  import struct
-
-  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-    flags = struct.unpack("16sH", fcntl.ioctl(sock, 0x8913, struct.pack("16sH", b"lo", 0))[:18])[1]
-    if set_up and not flags & 1:
-      fcntl.ioctl(sock, 0x8914, struct.pack("16sH", b"lo", flags | 1))
-      return _loopback()
-    return bool(flags & 1)
-
-
-def _launch(work: Path, repos: dict) -> None:
-  """Starts the WORLD ranks (this process is already in their network namespace)."""
-  assert _loopback(set_up=True), "could not set the loopback interface up"
-  env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-  procs = [subprocess.Popen([sys.executable, __file__, "rank", str(rank), str(work),
-                             json.dumps(repos)], env=env) for rank in range(WORLD)]
-  # A rank that fails leaves the other waiting in a collective: end it at once.
-  while any(p.poll() is None for p in procs):
-    if any(p.returncode for p in procs):
-      for p in procs:
-        if p.poll() is None:
-          p.kill()
-    time.sleep(0.2)
-  sys.exit(max(abs(p.returncode) for p in procs))
-
-
-def _loopback_only() -> list[str]:
-  """Command prefix giving the ranks a network namespace of their own (the launcher sets
-  its loopback up, the only interface it has); empty where namespaces are not permitted
-  (then this namespace's loopback must be up)."""
-  if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0:
-    return ["unshare", "-n"]
-  assert _loopback(), ("gloo needs a loopback interface: lo is down and `unshare -n` is not "
-                       "permitted to make a namespace with one")
-  return []
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
   """A directory with one tiny checkpoint per family (random weights, biases and norms)."""
@@ -231,15 +183,7 @@ def distributed(checkpoints, local_kernels_env, repo_id):
 
   work = checkpoints
   repos = {"ragged": repo_id("ragged-dot-tpu"), "flash": repo_id("flash-attention-tpu")}
-  command = [*_loopback_only(), sys.executable, __file__, "launch", str(work),
-             json.dumps(repos)]
-  proc = subprocess.Popen(command, start_new_session=True)
-  try:
-    code = proc.wait(timeout=LAUNCH_TIMEOUT_S)
-  except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, 9)
-    raise
-  assert code == 0, f"a rank failed (exit {code}): its traceback is in the captured stderr"
+  gloo_ranks.run_ranks(__file__, work, repos, LAUNCH_TIMEOUT_S)
   return work, [torch.load(work / f"rank{rank}.pt") for rank in range(WORLD)]
 
 
@@ -320,8 +264,4 @@ def test_plan_on_kernels_equals_single_process(distributed, single_process, case
 
 
 if __name__ == "__main__":
-  mode, *args = sys.argv[1:]
-  if mode == "launch":
-    _launch(Path(args[0]), json.loads(args[1]))
-  else:
-    _rank_main(int(args[0]), Path(args[1]), json.loads(args[2]))
+  gloo_ranks.main(__file__, WORLD, _rank_main)
