@@ -57,8 +57,10 @@ def _model_class(family: str):
 
 
 def _load(work: Path, family: str):
-  """The checkpoint the test saved, float32, eval (from_pretrained's mode)."""
-  return _model_class(family).from_pretrained(work / family)
+  """The checkpoint the test saved, float32, eval (from_pretrained's mode). Loaded whole
+  (low_cpu_mem_usage=False: what from_pretrained falls back to, with a warning, without
+  `accelerate`, which this project does not install)."""
+  return _model_class(family).from_pretrained(work / family, low_cpu_mem_usage=False)
 
 
 def _inputs(work: Path, family: str) -> dict:
