@@ -103,7 +103,8 @@ def test_every_rms_norm_class_kernelizes_and_matches(rms, repo_id, rms_norm_clas
 def test_instances_built_otherwise_keep_their_forward(rms, repo_id):
   """An undecorated RMSNorm class kernelizes only the instances built as cls(hidden,
   eps=eps): Gemma 4's with_scale=False norm (no weight) and Qwen4-exp's grouped norm keep
-  their own forward; their plain siblings run the layer."""
+  their own forward; their plain siblings run the layer. A weightless norm marked by hand
+runs the kernel (a weight of ones)."""
   from kernels import replace_kernel_forward_from_hub
   from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
   from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRMSNorm
@@ -121,7 +122,8 @@ def test_instances_built_otherwise_keep_their_forward(rms, repo_id):
   for module in plain + other:
     want = type(module).forward(module, x)
     assert (module(x) - want).abs().max().item() <= 5e-6 * want.abs().max().item()
-  # Marked by hand without that condition, a weightless norm is refused, not run.
+  # Marked by hand without that condition, a weightless norm runs the kernel with a weight
+  # of ones (checked against its own forward, as every class is).
   class MarkedGemma4RMSNorm(Gemma4RMSNorm):
     pass
 
@@ -132,8 +134,9 @@ def test_instances_built_otherwise_keep_their_forward(rms, repo_id):
   with use_kernel_mapping(mapping, inherit_mapping=False):
     kernelize(torch.nn.ModuleList([weightless]), mode=Mode.INFERENCE, device="cpu",
               use_fallback=False)
-  with pytest.raises(NotImplementedError, match="MarkedGemma4RMSNorm has no `weight`"):
-    weightless(x)
+  assert weightless.forward.__func__ is rms.layers.RMSNorm.forward
+  want = Gemma4RMSNorm.forward(weightless, x)
+  assert (weightless(x) - want).abs().max().item() <= 5e-6 * want.abs().max().item()
 
 
 class _OnePlusWeightNorm(torch.nn.Module):
