@@ -31,12 +31,15 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "kernels"))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))   # benchmarks: the cases' shapes
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from tpu_kernels import aot, causal_conv1d, chips, gated_delta_rule, rms_norm  # noqa: E402
 
+from benchmarks.cases.gated_delta_rule import (CONV_STATE_LEN, DECODE_BATCH,  # noqa: E402
+                                               PREFILL_TOKENS, QWEN3_5_9B)
 import flash_attention_cases  # noqa: E402  (scripts/, next to this file)
 import paged_attention_cases  # noqa: E402
 import ragged_dot_cases  # noqa: E402
@@ -88,10 +91,13 @@ RMS_CASES = [
     _rms_case(4096, 16384, jnp.float32, "fused add+norm fwd+bwd, f32[4096, 16384] (Llama-405B)"),
 ]
 
-# Linear attention at Qwen3.5-9B's shapes (Qwen3-Next-80B's defaults give the same): the
-# Gated DeltaNet's 16 key / 32 value heads of 128, its conv over 8192 channels of width 4,
-# the gated norm over 128 per value head; prefill at 4096 tokens, decode at batch 64.
-_HK, _HV, _HD, _CONV_DIM, _PREFILL, _DECODE = 16, 32, 128, 8192, 4096, 64
+# Linear attention at Qwen3.5-9B's shapes (Qwen3-Next-80B's defaults give the same), from
+# their one home, benchmarks/cases/gated_delta_rule.py: the Gated DeltaNet's 16 key / 32
+# value heads of 128, its conv over 8192 channels of width 4, the gated norm over 128 per
+# value head; prefill at 4096 tokens, decode at batch 64.
+_HK, _HV, _HD = QWEN3_5_9B.key_heads, QWEN3_5_9B.value_heads, QWEN3_5_9B.head_dim
+_CONV_DIM, _PREFILL, _DECODE = QWEN3_5_9B.conv_dim, PREFILL_TOKENS, DECODE_BATCH
+_WIDTH, _STATE = QWEN3_5_9B.conv_width, CONV_STATE_LEN
 _BF16, _F32 = jnp.bfloat16, jnp.float32
 
 
@@ -144,13 +150,13 @@ def _conv_train(chip):
   fn = functools.partial(causal_conv1d.causal_conv1d_fn, activation="silu", channels_last=True,
                          chip=chip)
   x = S((1, _PREFILL, _CONV_DIM), _BF16)
-  return ((lambda x_, w, g: jax.vjp(fn, x_, w)[1](g)), [x, S((_CONV_DIM, 4), _BF16), x])
+  return ((lambda x_, w, g: jax.vjp(fn, x_, w)[1](g)), [x, S((_CONV_DIM, _WIDTH), _BF16), x])
 
 
 def _conv_train_plan(chip):
-  fwd = causal_conv1d.forward_tiling(1, _PREFILL, _CONV_DIM, 4, _BF16, _BF16, False,
+  fwd = causal_conv1d.forward_tiling(1, _PREFILL, _CONV_DIM, _WIDTH, _BF16, _BF16, False,
                                      _conv_config(chip))
-  bwd = causal_conv1d.backward_tiling(1, _PREFILL, _CONV_DIM, 4, _BF16, _BF16, False,
+  bwd = causal_conv1d.backward_tiling(1, _PREFILL, _CONV_DIM, _WIDTH, _BF16, _BF16, False,
                                       _conv_config(chip))
   return (f"fwd {fwd.block_t}x{fwd.block_d}, plan {fwd.vmem_plan_bytes / 2**20:.1f} MiB; "
           f"bwd {bwd.block_t}x{bwd.block_d}, plan {bwd.vmem_plan_bytes / 2**20:.1f} MiB")
@@ -158,12 +164,12 @@ def _conv_train_plan(chip):
 
 def _conv_decode(chip):
   fn = functools.partial(causal_conv1d.causal_conv1d_update, activation="silu", chip=chip)
-  return fn, [S((_DECODE, _CONV_DIM, 1), _BF16), S((_DECODE, _CONV_DIM, 4), _BF16),
-              S((_CONV_DIM, 4), _BF16)]
+  return fn, [S((_DECODE, _CONV_DIM, 1), _BF16), S((_DECODE, _CONV_DIM, _STATE), _BF16),
+              S((_CONV_DIM, _WIDTH), _BF16)]
 
 
 def _conv_decode_plan(chip):
-  t = causal_conv1d.update_tiling(_DECODE, 1, 4, _CONV_DIM, 4, _BF16, _BF16, _BF16,
+  t = causal_conv1d.update_tiling(_DECODE, 1, _STATE, _CONV_DIM, _WIDTH, _BF16, _BF16, _BF16,
                                   _conv_config(chip))
   return f"{t.block_b} rows x {t.block_d} channels, plan {t.vmem_plan_bytes / 2**20:.1f} MiB"
 

@@ -5,7 +5,11 @@ each at the config tokamax picks for the case and at a larger tiling:
     megablox's (peers/megablox.py: the active-tile count becomes a static grid size);
   * `TokamaxAttentionAnchor`: its `dot_product_attention` (its splash fork, compact causal
     grid): its six SMEM block lists become closed forms of the causal list
-    (peers/attention_geometry.py).
+    (peers/attention_geometry.py);
+  * `TokamaxGdnSpec`: 0.0.17's `causal_conv1d_gated_delta_rule`, conv + Gated DeltaNet fused
+    (a fork of tpu-inference's gdn v3: peers/fused_gdn.py), always in
+    `.venv-tokamax-jax012` (0.0.12 has no such op), on TPU v6 and later only (its op's
+    `supported_on`).
 
 tokamax needs packages outside the main lock, so its children run in `.venv-tokamax`
 (requirements-tokamax.txt: the same jax 0.10.2 and libtpu 0.0.42.1), or
@@ -24,7 +28,7 @@ from benchmarks import ROOT
 from benchmarks.cases.diffusion import JointAttention
 from benchmarks.cases.headline import HEADLINE, WEIGHT_TAG, Attention, GroupedMatmul
 from benchmarks.estimator import visible
-from benchmarks.peers import protocol
+from benchmarks.peers import fused_gdn, protocol
 from benchmarks.peers.attention_geometry import AttentionCase, triangle_col, triangle_row
 from benchmarks.peers.megablox import QUANTIZED_TILING, GmmAnchor, jax_version
 
@@ -385,6 +389,51 @@ class TokamaxAttentionAnchor(AttentionCase, TokamaxEnvironment):
                            f"x 4*{self.block}^2*{c.head_dim} flops at bf16 peak")
 
 
+GDN_TOKAMAX = ("0.0.17", ".venv-tokamax-jax012", "jax 0.12.0.1, libtpu 0.0.50.1")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokamaxGdnSpec(fused_gdn.FusedGdnSpec):
+  """tokamax 0.0.17's `causal_conv1d_gated_delta_rule` ("mosaic_tpu"): its op's `_fwd` calls
+  `wrapper.fused_conv1d_gdn` (GDN mode), called here the same way with its tile sizes left
+  to the wrapper's VMEM heuristic (the op's heuristic config). Its op runs it on TPU v6 and
+  later only (`supported_on`: generation >= 6): no v5e row."""
+
+  package = "tokamax._src.ops.causal_conv1d_gated_delta_rule"
+  python = ROOT / GDN_TOKAMAX[1] / "bin" / "python"
+
+  def lowering(self, chip: str):
+    return visible.target_chip(chip)
+
+  @property
+  def key(self) -> str:
+    return f"tokamax-gdn:{self.case.name}"
+
+  @property
+  def implementation(self) -> str:
+    return (f"tokamax causal_conv1d_gated_delta_rule mosaic_tpu (tokamax {GDN_TOKAMAX[0]}, "
+            f"{GDN_TOKAMAX[2]}, conv + gdn fused, heuristic tiles)")
+
+  def config(self) -> dict:
+    return dict(decode_tile_size="its VMEM heuristic", mixed_tile_size="its VMEM heuristic")
+
+  def tiles(self, chip: str) -> tuple[None, None]:
+    return None, None
+
+  def call(self, wrapper, **inputs):
+    import tokamax
+    assert tokamax.__version__ == GDN_TOKAMAX[0], tokamax.__version__
+    return wrapper.fused_conv1d_gdn(**inputs)
+
+  def rate(self, chip: str) -> dict:
+    if chip == "v5e":
+      row = protocol.row_base(self)
+      row["error"] = ("not run on v5e: tokamax's op runs this kernel on TPU v6 and later only "
+                      "(supported_on: generation >= 6)")
+      return row
+    return protocol.rate(self, chip)
+
+
 # The headline's grouped matmuls at tokamax's own config and at the large megablox tiling.
 HEADLINE_GMM_TILINGS = ("heuristic", "512x1024x1024")
 ATTENTION_BLOCKS = (128, 512)   # its heuristic config's blocks, and blocks of 512
@@ -402,6 +451,8 @@ def specs_for(case) -> list:
     specs = [TokamaxAttentionAnchor(case.seq, block) for block in ATTENTION_BLOCKS]
   elif isinstance(case, JointAttention):   # non-causal, Diffusers' shapes
     specs = [TokamaxAttentionAnchor(case.seq, block, joint=case) for block in ATTENTION_BLOCKS]
+  elif fused_gdn.applies(case):
+    return [TokamaxGdnSpec(case)]
   else:
     specs = []
   return [s for s in specs if s.case == case]

@@ -16,10 +16,21 @@ gets without our kernels, rated in benchmarks/estimate.py's child process.
     ExpertsLayer        xla (lax.ragged_dot layer)      XLA's route and combine around two
                                                         lax.ragged_dot calls, one program
     PagedBatch          none: the gathering baseline materialises every token's whole context
+    GdnChunked          xla (chunked jnp, lax.scan)     gated_delta_rule.chunk_gated_delta_rule_xla
+                                                        (the same WY algorithm in jnp, f32 HIGHEST,
+                                                        a scan over chunks; training: its autodiff)
+    GdnDecode           xla (recurrent jnp, as          one token of Transformers'
+                        Transformers')                  torch_recurrent_gated_delta_rule in jnp
+    ConvPrefill         xla (jnp)                       causal_conv1d.causal_conv1d_reference
+                                                        (training: its autodiff)
+    ConvUpdate          xla (jnp, as Transformers')     Transformers' causal_conv1d_update in jnp
 and none beside a w8a8 grouped matmul: lax.ragged_dot has no int8 x int8 with row and column
 scales (the int8 row's XLA baseline, which dequantizes the weights, is the comparison).
 
-Every program but RMSNorm's is rated by XLA's cost_analysis (estimator/xla_cost.py: the
+RMSNorm's and the conv's programs are rated by the static estimate of the whole program;
+the chunked gated delta rule by XLA's cost_analysis at 2 and 4 chunks, extrapolated linearly
+(CHUNKED: its cost_analysis counts the scan's body once, not once per chunk; at 2 and 4
+chunks the body's cost is checked linear); every other program (estimator/xla_cost.py: the
 static estimator crashes on ragged_dot and takes >300 s / 19 GB on attention): a lower
 bound for XLA. A new case kind gets its XLA row by an entry in `PROGRAMS` (its row name, its
 program builder, and STATIC or COST).
@@ -29,7 +40,9 @@ from __future__ import annotations
 
 import functools
 
+from benchmarks.cases.causal_conv1d import ConvPrefill, ConvUpdate
 from benchmarks.cases.diffusion import JointAttention
+from benchmarks.cases.gated_delta_rule import CHUNK, GdnChunked, GdnDecode
 from benchmarks.cases.experts_layer import ExpertsLayer
 from benchmarks.cases.headline import Attention, GroupedMatmul, PagedDecode, RmsNorm
 from benchmarks.estimator import static_estimate
@@ -131,10 +144,111 @@ def experts_layer_program(case: ExpertsLayer):
   return fn, specs
 
 
+def gdn_chunked_program(case: GdnChunked, tokens: int | None = None):
+  """(fn, specs): chunk_gated_delta_rule_xla on the case (or its first `tokens` tokens), as
+  our kernel is called (l2-normalised q and k); training: o and jax.vjp's gradients."""
+  import functools
+  import jax
+  from tpu_kernels import gated_delta_rule as G
+  _, specs = case.program("v6e", tokens)   # the same inputs as ours (the chip is unused)
+  forward = functools.partial(G.chunk_gated_delta_rule_xla, use_qk_l2norm_in_kernel=True)
+  if not case.training:
+    return forward, specs
+
+  def train(q, k, v, g, beta, do):
+    o, vjp = jax.vjp(lambda *a: forward(*a)[0], q, k, v, g, beta)
+    return o, vjp(do)
+
+  return train, specs
+
+
+def gdn_decode_program(case: GdnDecode):
+  """(fn, specs): one token of Transformers' torch_recurrent_gated_delta_rule in jnp (q and
+  k repeated to the value heads, f32, l2-normalised, scaled by K^-0.5; the state decayed,
+  S^T k, the delta, the rank-1 update, S^T q), as XLA compiles the default torch path."""
+  import jax.numpy as jnp
+  from jax import lax
+  _, specs = case.program("v6e")   # the same inputs as ours (the chip is unused)
+
+  def step(q, k, v, g, beta, state):
+    group = v.shape[2] // q.shape[2]
+    l2norm = lambda x: x * lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
+    q, k = (l2norm(jnp.repeat(x, group, axis=2)[:, 0].astype(jnp.float32)) for x in (q, k))
+    q = q / q.shape[-1] ** 0.5
+    state = state * jnp.exp(g[:, 0])[..., None, None]
+    delta = (v[:, 0].astype(jnp.float32) - (state * k[..., None]).sum(-2)) \
+        * beta[:, 0].astype(jnp.float32)[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return (state * q[..., None]).sum(-2)[:, None].astype(v.dtype), state
+
+  return step, specs
+
+
+def conv_prefill_program(case: ConvPrefill):
+  """(fn, specs): causal_conv1d_reference (f32 math) on the channels-last input; training: out
+  and jax.vjp's gradients."""
+  import jax
+  import jax.numpy as jnp
+  from tpu_kernels import causal_conv1d as C
+  _, specs = case.program("v6e")   # the same inputs as ours (the chip is unused)
+
+  def conv(x, w):
+    return jnp.swapaxes(C.causal_conv1d_reference(jnp.swapaxes(x, 1, 2), w, None, "silu"), 1, 2)
+
+  if not case.training:
+    return conv, specs
+
+  def train(x, w, dout):
+    out, vjp = jax.vjp(conv, x, w)
+    return out, vjp(dout)
+
+  return train, specs
+
+
+def conv_update_program(case: ConvUpdate):
+  """(fn, specs): Transformers' causal_conv1d_update in jnp: cat(state, x), the new state its
+  last S columns, the conv over its last W columns (f32 sums), SiLU."""
+  import jax
+  import jax.numpy as jnp
+
+  def update(x, state, w):
+    full = jnp.concatenate([state, x], axis=-1)
+    window = full[..., -w.shape[1]:].astype(jnp.float32)
+    out = jnp.sum(window * w.astype(jnp.float32)[None], -1, keepdims=True)
+    return jax.nn.silu(out).astype(x.dtype), full[..., -state.shape[-1]:]
+
+  return update, case.specs()
+
+
+def cost_in_chunks(case: GdnChunked, chip: str, chunks=(2, 4)) -> dict:
+  """A partial row: XLA's cost_analysis of gdn_chunked_program at `chunks` chunks (its
+  optimal_seconds and bytes accessed), extrapolated linearly to the case's chunks. XLA's
+  cost analysis counts a while loop's body once: at the case's 64 chunks its flops are
+  those of about one chunk and its optimal_seconds is invalid; at 2 and 4 chunks the scan
+  is unrolled (the flops double: checked here)."""
+  parts = [xla_cost(lambda n=n: gdn_chunked_program(case, n * CHUNK), chip) for n in chunks]
+  failed = next((p for p in parts if not p["compiled"]), None)
+  if failed:
+    return failed
+  (n1, n2), (p1, p2) = chunks, parts
+  ratio = p2["xla_flops"] / p1["xla_flops"]
+  if not 1.8 < ratio < 2.2:
+    return dict(compiled=True, error=f"cost_analysis's flops at {n1} and {n2} chunks are not "
+                                     f"linear ({ratio:.2f}x): the scan was not unrolled")
+  total = -(-case.tokens // CHUNK)
+  extend = lambda key: p1[key] + (p2[key] - p1[key]) / (n2 - n1) * (total - n1)
+  return dict(compiled=True, error=None, estimated_cycles=None,
+              compute_us=extend("compute_us"), hbm_bytes=int(extend("hbm_bytes")),
+              xla_flops=extend("xla_flops"),
+              method=f"XLA cost_analysis (optimal_seconds, bytes accessed) at {n1} and {n2} "
+                     f"chunks, extrapolated linearly to {total} (its cost analysis counts the "
+                     "scan's body once)")
+
+
 # How an XLA program is rated: the static estimate of the whole program, as ours (where the
 # estimator takes it), or XLA's cost_analysis (it crashes on ragged_dot and takes >300 s /
 # 19 GB on attention).
-STATIC, COST = "static estimate", "cost_analysis"
+STATIC, COST, CHUNKED = "static estimate", "cost_analysis", "cost_analysis in chunks"
 # case kind -> (row name, program builder, how it is rated)
 PROGRAMS = {
     RmsNorm: ("xla (jnp)", rms_norm_program, STATIC),
@@ -143,6 +257,10 @@ PROGRAMS = {
     JointAttention: ("xla (nn.dot_product_attention)", attention_program, COST),
     PagedDecode: ("xla (gather + softmax)", paged_decode_program, COST),
     ExpertsLayer: ("xla (lax.ragged_dot layer)", experts_layer_program, COST),
+    GdnChunked: ("xla (chunked jnp, lax.scan)", gdn_chunked_program, CHUNKED),
+    GdnDecode: ("xla (recurrent jnp, as Transformers')", gdn_decode_program, COST),
+    ConvPrefill: ("xla (jnp)", conv_prefill_program, STATIC),
+    ConvUpdate: ("xla (jnp, as Transformers')", conv_update_program, STATIC),
 }
 
 

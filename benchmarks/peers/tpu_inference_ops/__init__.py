@@ -9,7 +9,9 @@ with libtpu's static profile), each child in `.venv-tpu-inference` (common.py).
   * `flash_attention` (`FlashSpec`, causal attention cases; attention.py);
   * ragged paged attention v3 (`RpaV3Spec`, paged decode cases and the decode-only serving
     batches; attention.py); the other serving batches say why not (`not_rated_why`);
-  * fused_moe v1 (`FusedMoeSpec`, experts-layer cases; fused_moe.py).
+  * fused_moe v1 (`FusedMoeSpec`, experts-layer cases; fused_moe.py);
+  * gdn v3, conv + Gated DeltaNet fused (`GdnV3Spec`, the gated delta rule's prefill forward
+    and decode cases; gdn.py).
 quantized_matmul does not apply (`NOT_RATED`). Where the estimator aborts or a compile runs
 out of time, the row says so (docs/performance/tpu-inference.md: RPA v3 and fused_moe).
 """
@@ -18,9 +20,10 @@ from __future__ import annotations
 
 from benchmarks.cases.headline import Attention, GroupedMatmul, PagedDecode
 from benchmarks.cases.serving import PagedBatch
-from benchmarks.peers import protocol
+from benchmarks.peers import fused_gdn, protocol
 from benchmarks.peers.tpu_inference_ops.attention import FlashSpec, RpaV3Spec
 from benchmarks.peers.tpu_inference_ops.fused_moe import FusedMoeSpec
+from benchmarks.peers.tpu_inference_ops.gdn import GdnV3Spec
 from benchmarks.peers.tpu_inference_ops.gmm import GmmSpec
 
 
@@ -60,6 +63,8 @@ def specs_for(case) -> list:
     return [RpaV3Spec(case)]
   if isinstance(case, PagedBatch):
     return [] if not_rated_why(case) else [RpaV3Spec(case)]
+  if fused_gdn.applies(case):
+    return [GdnV3Spec(case)]
   if all(hasattr(case, a) for a in EXPERTS_LAYER_FIELDS):   # the whole experts layer
     return [FusedMoeSpec(case)]
   return []
