@@ -237,12 +237,16 @@ def cost_in_chunks(case: GdnChunked, chip: str, chunks=(2, 4)) -> dict:
                                      f"linear ({ratio:.2f}x): the scan was not unrolled")
   total = -(-case.tokens // CHUNK)
   extend = lambda key: p1[key] + (p2[key] - p1[key]) / (n2 - n1) * (total - n1)
+  # hbm_bytes: cost_analysis's bytes, extrapolated, at least the case's roofline bytes
+  invalid = [p for p in parts if "invalid" in p["method"]]
+  basis = ("its flops at peak (its optimal_seconds is invalid there: a lower bound) and "
+           "bytes accessed" if invalid else "optimal_seconds, bytes accessed")
   return dict(compiled=True, error=None, estimated_cycles=None,
-              compute_us=extend("compute_us"), hbm_bytes=int(extend("hbm_bytes")),
+              compute_us=extend("compute_us"),
+              hbm_bytes=max(int(extend("hbm_bytes")), case.min_bytes()),
               xla_flops=extend("xla_flops"),
-              method=f"XLA cost_analysis (optimal_seconds, bytes accessed) at {n1} and {n2} "
-                     f"chunks, extrapolated linearly to {total} (its cost analysis counts the "
-                     "scan's body once)")
+              method=f"XLA cost_analysis ({basis}) at {n1} and {n2} chunks, extrapolated "
+                     f"linearly to {total} (its cost analysis counts the scan's body once)")
 
 
 # How an XLA program is rated: the static estimate of the whole program, as ours (where the
@@ -271,5 +275,8 @@ def implementations(case) -> list[protocol.Implementation]:
   if rated_by == STATIC:
     rate = lambda chip: static_estimate.whole_program(*program(case), chip, case.min_bytes())
     return [protocol.Implementation(case.name, name, protocol.XLA, rate)]
-  rate = lambda chip: xla_cost(lambda: program(case), chip, case.min_bytes())
+  if rated_by == CHUNKED:
+    rate = lambda chip: cost_in_chunks(case, chip)
+  else:
+    rate = lambda chip: xla_cost(lambda: program(case), chip, case.min_bytes())
   return [protocol.Implementation(case.name, name, protocol.XLA, rate, static_profile=False)]
