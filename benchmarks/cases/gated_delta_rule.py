@@ -189,4 +189,7 @@ class GdnDecode:
     return fn, _gdn_specs(L, self.batch, 1) + [state]
 
 
-CASES = (GdnChunked(), GdnChunked(direction="fwd+bwd"), GdnDecode())
+# Training (GdnChunked(direction="fwd+bwd")) is not among the rated cases yet: its truncated
+# rating (2 and 4 chunks, forward and backward) did not finish within the first rating
+# run's time on the 2-core machine (2026-12-07); add it here to rate it.
+CASES = (GdnChunked(), GdnDecode())

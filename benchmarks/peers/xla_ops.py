@@ -29,8 +29,8 @@ scales (the int8 row's XLA baseline, which dequantizes the weights, is the compa
 
 RMSNorm's and the conv's programs are rated by the static estimate of the whole program;
 the chunked gated delta rule by XLA's cost_analysis at 2 and 4 chunks, extrapolated linearly
-(CHUNKED: its cost_analysis counts the scan's body once, not once per chunk; at 2 and 4
-chunks the body's cost is checked linear); every other program (estimator/xla_cost.py: the
+(CHUNKED: its cost_analysis counts a loop body once, not once per chunk, so the scan is
+unrolled at 2 and 4 chunks, checked linear); every other program (estimator/xla_cost.py: the
 static estimator crashes on ragged_dot and takes >300 s / 19 GB on attention): a lower
 bound for XLA. A new case kind gets its XLA row by an entry in `PROGRAMS` (its row name, its
 program builder, and STATIC or COST).
@@ -220,13 +220,28 @@ def conv_update_program(case: ConvUpdate):
   return update, case.specs()
 
 
+def unrolled(fn, specs):
+  """(fn with every lax.scan it traces fully unrolled, specs): XLA's cost_analysis counts a
+  while loop's body once, whatever its trip count; unrolled, it counts every chunk."""
+  import jax
+  from unittest import mock
+  scan = jax.lax.scan
+
+  def run(*args):
+    with mock.patch.object(jax.lax, "scan", functools.partial(scan, unroll=True)):
+      return fn(*args)
+
+  return run, specs
+
+
 def cost_in_chunks(case: GdnChunked, chip: str, chunks=(2, 4)) -> dict:
   """A partial row: XLA's cost_analysis of gdn_chunked_program at `chunks` chunks (its
   optimal_seconds and bytes accessed), extrapolated linearly to the case's chunks. XLA's
   cost analysis counts a while loop's body once: at the case's 64 chunks its flops are
-  those of about one chunk and its optimal_seconds is invalid; at 2 and 4 chunks the scan
-  is unrolled (the flops double: checked here)."""
-  parts = [xla_cost(lambda n=n: gdn_chunked_program(case, n * CHUNK), chip) for n in chunks]
+  those of about one chunk and its optimal_seconds is invalid. So the scan is unrolled
+  (`unrolled`) at 2 and 4 chunks (the flops double: checked here)."""
+  parts = [xla_cost(lambda n=n: unrolled(*gdn_chunked_program(case, n * CHUNK)), chip)
+           for n in chunks]
   failed = next((p for p in parts if not p["compiled"]), None)
   if failed:
     return failed
@@ -246,7 +261,8 @@ def cost_in_chunks(case: GdnChunked, chip: str, chunks=(2, 4)) -> dict:
               hbm_bytes=max(int(extend("hbm_bytes")), case.min_bytes()),
               xla_flops=extend("xla_flops"),
               method=f"XLA cost_analysis ({basis}) at {n1} and {n2} chunks, extrapolated "
-                     f"linearly to {total} (its cost analysis counts the scan's body once)")
+                     f"linearly to {total}, the scan unrolled (its cost analysis counts a loop's "
+                     "body once)")
 
 
 # How an XLA program is rated: the static estimate of the whole program, as ours (where the
