@@ -575,7 +575,8 @@ def _logits_and_cap_slope(s, st: _Static):
   u (1 + t)^2 has its full relative precision at every x, and needs no division: the
   first form, 4u / (1 + u)^2 (with tanh from u too), made the dq kernel 31% dearer on v5e
   in libtpu's estimate (S=4096, D=128, 1024 x 1024 blocks; this one: 1.1% over
-  1 - tanh^2). The logit keeps jnp.tanh, as the forward computes it."""
+  1 - tanh^2). On v6e the extra exp weighs more: dq +51% / +35%, dkv +26% / +17%
+  (docs/performance/flash-attention.md). The logit keeps jnp.tanh, as the forward does."""
   s = s * st.sm_scale
   if st.soft_cap is None:
     return s, None
