@@ -32,9 +32,7 @@ same rows of all G query heads of a KV head: every K/V block is loaded once per 
 and the kernels loop over the G heads inside. Three kernels:
 
   forward  grid (B, Hkv, q blocks, kv steps): online softmax over the kv steps, with
-           f32 running max / sum / accumulator in VMEM; writes out and lse. In bf16, out
-           is divided by the sum of the weights as the PV product rounds them, lse
-           keeps the exact sum (`_normalises_by_rounded_weights`).
+           f32 running max / sum / accumulator in VMEM; writes out and lse.
   dq       grid (B, Hkv, q blocks, kv steps): dq accumulated over the kv steps.
   dkv      grid (B, Hkv, kv blocks, q steps): dk, dv accumulated over the q steps and
            over the G heads of the group (no XLA reduction over heads).
@@ -589,33 +587,6 @@ def _logits_and_cap_slope(s, st: _Static):
 # ----------------------------------------------------------------------------- forward
 
 
-def _normalises_by_rounded_weights(dtype) -> bool:
-  """Whether the forward divides out by the sum of the weights as rounded for the p.v
-  matmul, sum bf16(p), rather than by l = sum p (which lse keeps): when the matmul's
-  operands are narrower than f32 (bf16). Then out is a convex combination of the values
-  (less the sink's share), and its rounding error does not move every element of a row
-  the same way. Dividing by l scaled each row by sum bf16(p) / sum p, an error
-  rowsum(dout * out) (the backward's di) took in full: bf16 dq 5.0e-2 of max|dq| on
-  uniform [0, 1) inputs (sm_scale 1, cap 5, D 128) against jax's splash's 2.6e-2 (issue 61);
-  2.5e-2 with it, what a correctly rounded out gives there.
-  Both sums share l's scratch: lanes [0, 64) hold sum p, lanes [64, 128) sum bf16(p)
-  (its lanes were equal copies), so the VMEM plan does not grow. f32 keeps one sum."""
-  return jnp.dtype(dtype) != jnp.float32
-
-
-def _rounded_lanes(rows: int):
-  """(rows, 128) bool: the lanes of l's scratch that hold sum bf16(p)
-  (`_normalises_by_rounded_weights`)."""
-  return lax.broadcasted_iota(jnp.int32, (rows, _LANES), 1) >= _LANES // 2
-
-
-def _rounded_sum(l):
-  """sum bf16(p) from l's scratch (rows, 128), lanes equal: the largest of its upper half
-  (the lanes are equal copies of one non-negative value, so the max is exact)."""
-  upper = jnp.where(_rounded_lanes(l.shape[0]), l, 0.0)
-  return jnp.broadcast_to(jnp.max(upper, axis=1, keepdims=True), l.shape)
-
-
 def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _Static,
                     group, num_q_blocks, num_kv_blocks, padded_keys):
   seg_refs, refs = (refs[:2], refs[2:]) if st.has_segments else (None, refs)
@@ -631,7 +602,6 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
   triangular = _triangular_diagonal(st, padded_keys)
   unit = st.sm_scale if raw else 1.0
   exp_scaled = common.scaled_exp(unit)
-  rounded = _normalises_by_rounded_weights(v_ref.dtype)
 
   @pl.when(starts)
   def _init():
@@ -661,14 +631,9 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
     p = exp_scaled(s - common.lanes(m_new, s.shape[1]))
     alpha = exp_scaled(m_prev - m_new)
-    weights = p.astype(v.dtype)                         # the p.v matmul's operand
-    row_sum = jnp.sum(p, axis=1, keepdims=True)
-    if rounded:   # the sum of the weights as rounded, in the upper half of l's lanes
-      rounded_sum = jnp.sum(weights.astype(jnp.float32), axis=1, keepdims=True)
-      row_sum = jnp.where(_rounded_lanes(row_sum.shape[0]), rounded_sum, row_sum)
-    l_ref[g, rows] = alpha * l_ref[g, rows] + row_sum
+    l_ref[g, rows] = alpha * l_ref[g, rows] + jnp.sum(p, axis=1, keepdims=True)
     acc_ref[g, rows] = common.lanes(alpha, head_dim) * acc_ref[g, rows] + lax.dot_general(
-        weights, v, _NN, preferred_element_type=jnp.float32)
+        p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
     m_ref[g, rows] = m_new
 
   def _compute(masked):
@@ -698,12 +663,10 @@ def _forward_kernel(q_offset_ref, sinks_ref, q_ref, k_ref, v_ref, *refs, st: _St
   @pl.when(ends)
   def _finish():
     for g in range(group):
-      l = l_ref[g]          # lane 0: sum p; with `rounded`, lanes 64-127: sum bf16(p)
-      norm = _rounded_sum(l) if rounded else l   # both 0 exactly when the row saw nothing
-      weighed = norm > 0.0
-      inv = jnp.where(weighed, 1.0 / jnp.where(weighed, norm, 1.0), 0.0)
-      o_ref[g] = (acc_ref[g] * common.lanes(inv, head_dim)).astype(o_ref.dtype)
+      l = l_ref[g]
       seen = l > 0.0
+      inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+      o_ref[g] = (acc_ref[g] * common.lanes(inv, head_dim)).astype(o_ref.dtype)
       lse = jnp.where(seen, m_ref[g] * unit + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
       lse_ref[g] = lse[:, 0]
 
