@@ -36,7 +36,9 @@ from benchmarks.peers.megablox import QUANTIZED_TILING, GmmAnchor, jax_version
 # The tokamax each JAX stack rates, and the environment it runs in: the main stack (jax 0.10)
 # rates 0.0.12 (requirements-tokamax.txt); the TorchTPU stack (jax 0.12, estimate.py run from
 # .venv-jax012) rates 0.0.17, the release that binds to TorchTPU and needs jax >= 0.11.1
-# (requirements-tokamax-jax012.txt). Both pin the same jax and libtpu as their stack.
+# (requirements-tokamax-jax012.txt). The main stack's venv pins its stack's jax and libtpu;
+# the TorchTPU one still pins jax 0.12.0.1 / libtpu 0.0.50.1 while .venv-jax012 moved to
+# 0.12.1 / 0.0.52 (issue 57), so its rows name jax 0.12.0.1 (docs/performance/torchtpu-stack.md).
 TOKAMAX_ENVIRONMENTS = {"0.10": ("0.0.12", ".venv-tokamax"),
                         "0.12": ("0.0.17", ".venv-tokamax-jax012")}
 
