@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # README command 2: the whole test suite, network cut, on both stacks.
-#   leg 1: .venv (Python 3.11, jax 0.10.2, torch 2.13.0): every test but one, in two runs:
+#   leg 1: .venv (Python 3.11, jax 0.10.2, torch 2.13.0): every test but a few, in two runs:
 #          1a tests/jax but two AOT modules (RMSNorm, paged), which 1b runs before
 #          tests/torch and tests/release (the split that makes 1a, 1b and leg 2 take about
 #          as long). The exceptions: v5e's flash tuning-table and gated-delta-rule training
