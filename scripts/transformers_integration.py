@@ -30,9 +30,9 @@ Which classes are RMSNorms (`rms_norm_layer`, one rule, by class, no hand list):
      with kernels' `replace_kernel_forward_from_hub(cls, cls.__name__)` under their own
      name, not Transformers' "RMSNorm", so that Transformers' own "RMSNorm" mapping (Liger's
      kernel on CUDA / ROCm) does not reach classes Transformers left undecorated; and with a
-     condition, so that an instance built otherwise than `cls(hidden, eps=eps)` (Gemma 4's
-     `with_scale=False` norms, which have no weight; Qwen4-exp's grouped norms) keeps its
-     own forward.
+     condition (`configured_as_plain`), so that an instance built otherwise than
+     `cls(hidden, eps=eps)` (Qwen4-exp's grouped norms) keeps its own forward; a weightless
+     instance (Gemma 4's `with_scale=False` norms) runs the layer with a weight of ones.
 Which formula a class computes is not decided here: the layers run the class's own forward
 on a probe row once per class and dtype and refuse (NotImplementedError) a class whose
 forward is not the layer's formula (rms_norm_class_mismatch compares them in full).
@@ -148,11 +148,19 @@ def _state(module) -> tuple:
 
 
 def configured_as_plain(module) -> bool:
-  """kernelize's condition for the undecorated classes: the module has a weight and is
-  built as `type(module)(hidden, eps=eps)` builds it (same parameters, same public
-  attributes); otherwise (no weight, a group size, a bias) it keeps its own forward."""
+  """kernelize's condition for the undecorated classes: the module is built as
+  `type(module)(hidden, eps=eps)` builds it (same parameters, same public attributes), or
+  it is weightless (no parameter, no buffer, `weight` absent or None: Gemma 4's and Gemma
+  3n's `with_scale=False` norms), which the layers run with a weight of ones once the class's
+  own forward agrees on a probe row (they refuse it otherwise). Any other build (a group
+  size, a bias) keeps its own forward."""
   weight, eps = getattr(module, "weight", None), _epsilon(module)
-  if not isinstance(weight, torch.nn.Parameter) or weight.ndim != 1 or eps is None:
+  if eps is None:
+    return False
+  if weight is None:
+    return (not any(True for _ in module.parameters())
+            and not any(True for _ in module.buffers()))
+  if not isinstance(weight, torch.nn.Parameter) or weight.ndim != 1:
     return False
   return _state(module) == _plain_state(type(module), weight.shape[0], eps)
 
