@@ -25,6 +25,9 @@ and the commands, each writing one results file (run from the repository root, a
                                         (results/calibration.*)
   python benchmarks/seed_prediction.py  the seed's 21.5x as a prediction
                                         (results/seed_prediction.json)
+  python benchmarks/qwen35_decode_prediction.py
+                                        Qwen3.5-9B's decode step, ours against the default
+                                        (results/qwen35_decode_prediction.json)
   python benchmarks/ragged_survey.py    the grouped matmul on other MoE models
                                         (results/ragged_survey.jsonl)
   python benchmarks/report.py           every table and chart again from results/ (no rating)

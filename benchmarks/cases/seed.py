@@ -15,7 +15,8 @@ The per-chip program (one decoder layer, one v6e chip, its share of a v6e-8 step
     o_proj row-split (then an all-reduce), norms and router replicated on the 64 tokens.
   * the two all-reduces of [64, 2048] bf16 (after o_proj, after the experts) and the new
     tokens' KV-cache write are not rated (ICI / a 64-row scatter; the same in both programs).
-Not a family of all_cases() (no CASES): estimate.py does not rate it.
+Not a family of all_cases() (no CASES): estimate.py does not rate it. Also here: Qwen3.5-9B's
+whole decode step (`Qwen35DecodeStep`, benchmarks/qwen35_decode_prediction.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from __future__ import annotations
 import dataclasses
 
 from benchmarks.cases import ITEMSIZE
+from benchmarks.cases.causal_conv1d import ConvUpdate
 from benchmarks.cases.experts_layer import ExpertsLayer
+from benchmarks.cases.gated_delta_rule import QWEN3_5_9B, GdnDecode
 from benchmarks.cases.headline import PagedDecode
 
 # The seed's claims: speed-ups of decode at batch 64 on v6e-8 against Transformers' default
@@ -89,3 +92,61 @@ class Layer:
 
 
 QWEN3 = Layer()
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35DecodeStep:
+  """One Qwen3.5-9B decode step at batch 64 on one v6e chip (issue 59's prediction,
+  benchmarks/qwen35_decode_prediction.py): the whole model, one chip, no split.
+
+  Shapes: Transformers 5.25's `Qwen3_5TextConfig` defaults ("Qwen3.5-9B style", checked by
+  tests/jax/test_qwen35_decode_prediction.py): 32 layers, every 4th full attention (8),
+  the rest Gated DeltaNet (24, cases/gated_delta_rule.py's QWEN3_5_9B); hidden 4096, MLP
+  12288, vocabulary 248,320 (untied lm_head); attention 16 query / 4 KV heads of 256 with
+  a sigmoid output gate (q_proj is twice as wide) and RoPE on a quarter of head_dim; norms
+  zero-centred, (1 + w) * x. The KV context is 2048 cached tokens per sequence (the paged
+  headline's), in pages of 64 for our paged kernel, a dense cache for the default.
+
+  It fits one v6e chip (32 GiB): bf16 weights ~16.3 GB, the Gated DeltaNet states
+  24 x 64 x 2 MiB = 3.2 GB, the KV cache 8 x 2 x 64 x 4 x 2048 x 256 x 2 B = 2.1 GB.
+  """
+
+  model: str = "Qwen3.5-9B"
+  batch: int = 64
+  context: int = 2048
+  page_size: int = 64
+  layers: int = 32
+  full_attention_interval: int = 4
+  hidden: int = 4096
+  intermediate: int = 12288
+  vocab: int = 248320
+  q_heads: int = 16
+  kv_heads: int = 4
+  head_dim: int = 256
+  rotary_dim: int = 64          # partial_rotary_factor 0.25 of head_dim
+  eps: float = 1e-6
+  dtype: str = "bfloat16"
+
+  @property
+  def attention_layers(self) -> int:
+    return self.layers // self.full_attention_interval
+
+  @property
+  def gdn_layers(self) -> int:
+    return self.layers - self.attention_layers
+
+  gdn = QWEN3_5_9B               # the Gated DeltaNet layer's shapes
+
+  def gdn_decode_case(self) -> GdnDecode:
+    return GdnDecode(batch=self.batch, layer=self.gdn)
+
+  def conv_update_case(self) -> ConvUpdate:
+    return ConvUpdate(batch=self.batch, layer=self.gdn)
+
+  def paged_case(self) -> PagedDecode:
+    return PagedDecode(self.context, batch=self.batch, q_heads=self.q_heads,
+                       kv_heads=self.kv_heads, head_dim=self.head_dim,
+                       page_size=self.page_size)
+
+
+QWEN3_5_STEP = Qwen35DecodeStep()

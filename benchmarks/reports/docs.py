@@ -28,7 +28,7 @@ from pathlib import Path
 from benchmarks import RESULTS, ROOT, read_rows
 from benchmarks.cases import all_cases
 from benchmarks.cases.quantized_decode import QUANTIZED_DECODE, W8A8_DECODE
-from benchmarks.rating import seed_prediction
+from benchmarks.rating import qwen35_decode, seed_prediction
 from benchmarks.reports import calibration, charts, estimates, summary, tables
 
 ESTIMATES = RESULTS / "estimates.jsonl"
@@ -60,6 +60,8 @@ TABLES = {
         estimates.targets(read_rows(RESULTS / "jax012" / "estimates.jsonl"))[2:]) + "\n",
     "seed": lambda: tables.seed_table(_seed()) + "\n",
     "seed-parts": lambda: tables.seed_parts_table(_seed()) + "\n",
+    "qwen35-decode-step": lambda: tables.qwen35_step_table(
+        json.loads(qwen35_decode.RESULTS_FILE.read_text())) + "\n",
     **{f"summary-{kernel}": _kernel_table(kernel)
        for kernel in dict.fromkeys(c.kernel for c in all_cases())},
 }

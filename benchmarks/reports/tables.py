@@ -6,6 +6,8 @@ docs/performance/ hold them as generated; tests compare):
   tpu_inference_gmm_table    tpu-inference's megablox gmm beside ours, from estimates.jsonl
   experts_layer_table        the experts layer's breakdown, from estimates.jsonl
   seed_table, seed_parts_table  the seed prediction, from seed_prediction.json
+  qwen35_step_table          Qwen3.5-9B's decode step (issue 59), from
+                             qwen35_decode_prediction.json
 
 `python benchmarks/report.py --print NAME` prints one (report.py lists the names).
 """
@@ -13,7 +15,7 @@ docs/performance/ hold them as generated; tests compare):
 from __future__ import annotations
 
 from benchmarks import cases
-from benchmarks.rating import experts_layer, seed_prediction
+from benchmarks.rating import experts_layer, qwen35_decode, seed_prediction
 from benchmarks.cases.seed import SEED_SPEEDUP, Layer
 
 
@@ -190,3 +192,37 @@ def seed_parts_table(results: dict) -> str:
         lines.append(f"| {chip} | {group} | {name} | {p['predicted_us']:,.1f} | "
                      f"{p['compute_us']:,.1f} | {p['hbm_us']:,.1f} | {p['method'][:90]} |")
   return "\n".join(lines)
+
+
+def qwen35_step_table(results: dict) -> str:
+  """Qwen3.5-9B's decode step part by part (µs per call, calls per step), ours against the
+  default, and the step's totals, per chip (static estimates)."""
+  step = qwen35_decode.Qwen35DecodeStep(**results["step"])
+  lines = ["| chip | part | calls | ours µs | default µs | ours / step µs | default / step µs |",
+           "|---|---|---:|---:|---:|---:|---:|"]
+  for chip, rated in results["chips"].items():
+    for part in qwen35_decode.parts(step):
+      got = rated.get(part.name, {})
+      sides = (["shared", "shared"] if part.sides == ("shared",) else ["ours", "default"])
+      cells = []
+      for side in sides:
+        p = got.get(side, {})
+        cells.append(f"{p['predicted_us']:,.1f}" if "predicted_us" in p else "not rated")
+      per_step = [f"{part.count * got[s]['predicted_us']:,.0f}"
+                  if "predicted_us" in got.get(s, {}) else "" for s in sides]
+      if not per_step[0] and per_step[1]:   # step_totals counts the default's time for ours
+        per_step[0] = f"{per_step[1]} (the default's)"
+      lines.append(f"| {chip} | {part.name} | {part.count} | {cells[0]} | {cells[1]} | "
+                   f"{per_step[0]} | {per_step[1]} |")
+    t = results["summary"][chip]
+    us = lambda x: "not rated" if x is None else f"{x:,.0f}"
+    speedup = f"{t['speedup']:.2f}x" if t.get("speedup") else "not rated"
+    differing = (f"{t['differing_speedup']:.2f}x" if t.get("differing_speedup")
+                 else "not rated")
+    lines.append(f"| {chip} | the parts the kernels change ({differing}) | | | | "
+                 f"{us(t['ours_differing_us'])} | {us(t['default_differing_us'])} |")
+    lines.append(f"| {chip} | **decode step** (predicted speed-up {speedup}) | | | | "
+                 f"**{us(t['ours_us'])}** | **{us(t['default_us'])}** |")
+  notes = [f"* {chip}, {note}" for chip, t in results["summary"].items()
+           for note in t["substituted"]]
+  return "\n".join(lines + ([""] + notes if notes else []))
