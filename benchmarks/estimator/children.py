@@ -70,6 +70,15 @@ def fatal_line(stderr: str) -> str:
   return found[0][:400] if found else ""
 
 
+def short_error(error: str) -> str:
+  """A child's error for a table cell: libtpu's LLO check reduced to what it expected, else
+  the message without libtpu's log prefix (time, thread, file), cut to 120 characters."""
+  expected = re.search(r"LLO_CHECK failure.*?(Expected \S+ got [^,\s]+)", error)
+  if expected:
+    return f"the estimator aborts: LLO_CHECK {expected.group(1).strip()}"
+  return re.sub(r"F\d{4} [\d:.]+\s+\d+ \S+\] ", "", error)[:120]
+
+
 def child_env(**extra: str) -> dict[str, str]:
   """This process's environment without a static-profile directory (each child that wants
   the profile makes its own, before jax loads), plus `extra`."""

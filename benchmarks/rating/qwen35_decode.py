@@ -31,7 +31,6 @@ if __name__ == "__main__":   # run as a script: import `benchmarks` from the rep
 
 import dataclasses  # noqa: E402
 import os  # noqa: E402
-import re  # noqa: E402
 
 from benchmarks.estimator import children  # noqa: E402  (no jax)
 
@@ -317,15 +316,6 @@ UNRATED_OURS_NOTE = ("ours not rated ({error}); counted at the default's time (n
                      "claimed for this part)")
 
 
-def _short_error(error: str) -> str:
-  """A child's error, short: libtpu's LLO check reduced to what it expected, else the
-  message without libtpu's log prefix (time, thread, file), cut to 120 characters."""
-  expected = re.search(r"LLO_CHECK failure.*?(Expected \S+ got [^,\s]+)", error)
-  if expected:
-    return f"the estimator aborts: LLO_CHECK {expected.group(1).strip()}"
-  return re.sub(r"F\d{4} [\d:.]+\s+\d+ \S+\] ", "", error)[:120]
-
-
 def step_totals(step: Qwen35DecodeStep, rated: dict) -> dict:
   """Per side, the step's µs (sum of count x predicted µs), or None if a part of it has no
   rating. Where ours has no rating but the default has, ours takes the default's time
@@ -340,7 +330,7 @@ def step_totals(step: Qwen35DecodeStep, rated: dict) -> dict:
       if side == OURS and part.sides != (SHARED,) and "predicted_us" not in (p or {}):
         if "predicted_us" in got.get(DEFAULT, {}):
           substituted.append(f"{part.name}: " + UNRATED_OURS_NOTE.format(
-              error=_short_error((p or {}).get("error", "missing"))))
+              error=children.short_error((p or {}).get("error", "missing"))))
           p = got[DEFAULT]
       for sums, counted in ((totals, True), (differing, part.sides != (SHARED,))):
         if not counted:

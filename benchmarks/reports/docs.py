@@ -60,6 +60,7 @@ TABLES = {
         estimates.targets(read_rows(RESULTS / "jax012" / "estimates.jsonl"))[2:]) + "\n",
     "seed": lambda: tables.seed_table(_seed()) + "\n",
     "seed-parts": lambda: tables.seed_parts_table(_seed()) + "\n",
+    "seed-models": lambda: tables.seed_models_table(_rows()) + "\n",
     "qwen35-decode-step": lambda: tables.qwen35_step_table(
         json.loads(qwen35_decode.RESULTS_FILE.read_text())) + "\n",
     **{f"summary-{kernel}": _kernel_table(kernel)

@@ -24,7 +24,7 @@ def _family_of() -> dict:
   return {c.name: family for family in cases.families() for c in family.CASES}
 
 
-def _best_other(rows: list[dict], r: dict) -> dict | None:
+def best_other(rows: list[dict], r: dict) -> dict | None:
   others = [o for o in rows if o["case"] == r["case"] and o["chip"] == r["chip"]
             and o["source"] != OURS and "predicted_us" in o]
   return min(others, key=lambda o: o["predicted_us"], default=None)
@@ -52,7 +52,7 @@ def family_rows(rows: list[dict], family, kernel: str) -> list[str]:
       continue
     met = sum(r["efficiency"] >= r["target"] for r in rated)
     versus = [(b["predicted_us"] / r["predicted_us"]) for r in rated
-              if (b := _best_other(rows, r)) is not None]
+              if (b := best_other(rows, r)) is not None]
     slower = sum(v < 1 - 0.005 for v in versus)   # within half a percent is level
     ratio = (_span(versus, ".2f", "x") + (f" (slower in {slower})" if slower else "")
              if versus else "no other rated")

@@ -8,6 +8,8 @@ docs/performance/ hold them as generated; tests compare):
   seed_table, seed_parts_table  the seed prediction, from seed_prediction.json
   qwen35_step_table          Qwen3.5-9B's decode step (issue 59), from
                              qwen35_decode_prediction.json
+  seed_models_table          the seed's six models call by call (issue 60), from
+                             estimates.jsonl
 
 `python benchmarks/report.py --print NAME` prints one (report.py lists the names).
 """
@@ -17,6 +19,10 @@ from __future__ import annotations
 from benchmarks import cases
 from benchmarks.rating import experts_layer, qwen35_decode, seed_prediction
 from benchmarks.cases.seed import SEED_SPEEDUP, Layer
+from benchmarks.cases.seed_models import SEED_MODELS
+from benchmarks.estimator import children
+from benchmarks.rating.roofline import TARGET_EFFICIENCY
+from benchmarks.reports.summary import best_other
 
 
 # ------------------------------------------------------------------ quantized decode (issue 28)
@@ -226,3 +232,51 @@ def qwen35_step_table(results: dict) -> str:
   notes = [f"* {chip}, {note}" for chip, t in results["summary"].items()
            for note in t["substituted"]]
   return "\n".join(lines + ([""] + notes if notes else []))
+
+
+LEVEL = 0.02   # within 2% of the best peer's prediction: level
+
+
+def seed_model_status(ours: dict, best: dict | None) -> str:
+  """"ahead 1.25x of <peer>", "level with <peer>", "behind by 1.25x <peer>", or "no peer
+  rated"; then the efficiency against its target where the case is memory-bound."""
+  if best is None:
+    verdict = "no peer rated"
+  else:
+    ratio = best["predicted_us"] / ours["predicted_us"]
+    name = best["implementation"].split(" (")[0]
+    verdict = (f"level with {name}" if abs(ratio - 1) <= LEVEL else
+               f"ahead {ratio:.2f}x of {name}" if ratio > 1 else
+               f"behind by {1 / ratio:.2f}x {name}")
+  target = TARGET_EFFICIENCY[ours["bound"]]
+  if ours["bound"] == "memory":
+    miss = "" if ours["efficiency"] >= target else f", short of {target}"
+    verdict += f"; {ours['efficiency']:.2f} of roofline{miss}"
+  return verdict
+
+
+def seed_models_table(rows: list[dict]) -> str:
+  """Markdown: every call of cases/seed_models.py's SEED_MODELS, per chip where rated (ours
+  µs, the best peer, the verdict), else why not (static estimates, estimates.jsonl)."""
+  lines = ["| model | call | per forward | chip | ours µs | best peer µs | verdict |",
+           "|---|---|---:|---|---:|---:|---|"]
+  for c in SEED_MODELS:
+    count = "" if c.per_forward is None else str(c.per_forward)
+    head = f"| {c.model} | {c.call} | {count} |"
+    if c.case is None:
+      lines.append(f"{head} | | | no case: {c.why} |")
+      continue
+    ours = [r for r in rows if r["case"] == c.case.name and r["source"] == "ours"]
+    if not ours:
+      lines.append(f"{head} | | | not rated yet (`{c.case.name}`) |")
+      continue
+    for r in sorted(ours, key=lambda r: r["chip"]):
+      if "predicted_us" not in r:
+        lines.append(f"{head} {r['chip']} | | | not rated: "
+                     f"{children.short_error(r.get('error') or '')} |")
+        continue
+      best = best_other(rows, r)
+      peer = f"{best['predicted_us']:,.2f}" if best else ""
+      lines.append(f"{head} {r['chip']} | {r['predicted_us']:,.2f} | {peer} | "
+                   f"{seed_model_status(r, best)} |")
+  return "\n".join(lines)
