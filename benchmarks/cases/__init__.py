@@ -19,6 +19,8 @@ here, and `benchmarks/estimate.py` rates it:
   quantized_decode.py  int8 / fp8 expert weights at decode, and int8 activations (issue 28)
   experts_layer.py     the whole experts op as one program (issue 28)
   serving.py           paged attention at serving page sizes and batches (issue 28)
+  seed_models.py       the seed's six models call by call at their real shapes (issue 60):
+                       the calls no other family holds
   seed.py              the seed's decoder layer, one chip's share (benchmarks/seed_prediction.py)
   survey.py            other MoE models' expert shapes (benchmarks/ragged_survey.py, the tuner)
 

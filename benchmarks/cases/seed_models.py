@@ -1,12 +1,12 @@
 """The seed's six models at their real shapes (issue 60 item 1): every attention, norm and
 experts call each makes, as the case that rates it, with its calls per forward.
 
-An inventory, not a family (no CASES): a call whose case another family holds (SD3.5's
-joint attention, Qwen3.5-9B's Gated DeltaNet rows, Qwen3-30B-A3B's decode experts) is that
-very case, so its rating is shared; the others are new cases that `benchmarks/estimate.py`
-rates once they join a family. `reports/tables.py`'s `seed_models_table` reads every call's
-rows from estimates.jsonl: ours, the best peer rated, or "not rated yet"; a call with no
-case kind says why. The derivation of every shape, with its source lines in Transformers
+A call whose case another family holds (SD3.5's joint attention, Qwen3.5-9B's Gated
+DeltaNet rows, Qwen3-30B-A3B's decode experts) is that very case, so its rating is shared;
+the others are this family's CASES, which `benchmarks/estimate.py` rates like any family's
+(`--cases <name> --merge` for a few). `reports/tables.py`'s `seed_models_table` reads every
+call's rows from estimates.jsonl: ours, the best peer rated, or "not rated yet"; a call
+with no case kind says why. The derivation of every shape, with its source lines in Transformers
 5.25.0 and Diffusers 0.42.1, is docs/performance/seed-models.md.
 
 Choices the libraries leave open (stated once, here):
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from benchmarks.cases import (causal_conv1d, diffusion, experts_layer, gated_delta_rule,
+                              headline, quantized_decode, serving)
 from benchmarks.cases.causal_conv1d import ConvPrefill, ConvUpdate
 from benchmarks.cases.diffusion import DIFFUSION_ATTENTION, JointAttention
 from benchmarks.cases.gated_delta_rule import GdnChunked, GdnDecode
@@ -143,3 +145,9 @@ def _minimax_h3() -> list[Call]:
 SEED_MODELS: tuple[Call, ...] = tuple(
     _qwen35_9b() + _qwen3_30b_a3b() + _gemma4_26b_a4b() + _sd35_medium() + _qwen_image()
     + _minimax_h3())
+
+# The other families' cases (a shared call is rated there, once).
+_OTHER_FAMILIES = {c.name for m in (causal_conv1d, diffusion, experts_layer, gated_delta_rule,
+                                    headline, quantized_decode, serving) for c in m.CASES}
+CASES = tuple({c.case.name: c.case for c in SEED_MODELS
+               if c.case is not None and c.case.name not in _OTHER_FAMILIES}.values())
