@@ -12,7 +12,8 @@ What differs between the two programs, part by part (rating/qwen35_decode.py):
   * per Gated DeltaNet layer: `causal_conv1d_update` (our kernel | Transformers'
     `torch_causal_conv1d_update`), the recurrence (our fused_recurrent kernel, the state
     donated | `torch_recurrent_gated_delta_rule`: q / k repeated to 32 heads, f32), the
-    gated norm (our rms_norm_gated | Qwen3_5RMSNormGated in f32);
+    gated norm (our rms_norm_gated | Qwen3_5RMSNormGated: f32, the norm rounded to bf16
+    before the weight);
   * per attention layer: our paged_attention kernel (pages of 64) | SDPA over the dense
     cache with GQA, as `sdpa_attention_forward` calls it when there is no mask.
 The rest is the same XLA program in both (in / out projections, the attention's q / k

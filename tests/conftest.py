@@ -10,23 +10,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
 
-# Interpret mode compiles every new shape (0.2-1 s), so example counts set the run time.
-_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow],
-               print_blob=True)
-# Sized so that CI (both legs, on two cores) stays well inside its 90 minutes: 25 and 10
-# examples gave 82 minutes on 2026-12-01; 20 and 6 gave 70 minutes (4,197 s) on
-# 2026-12-03, with leg 1's interpret-mode property tests about 1,650 s of its longest
-# run. 12 keeps every strategy drawn in every run (derandomized, so the same cases each
-# time) and pays for the serving, Diffusers and model-family tests added since.
-# HYPOTHESIS_PROFILE=thorough (150) for depth.
-settings.register_profile("ci", max_examples=12, derandomize=True, **_COMMON)
-# The second CI leg (jax 0.12 stack) re-checks the same kernels: fewer examples there.
-settings.register_profile("ci-second-stack", max_examples=6, derandomize=True, **_COMMON)
-settings.register_profile("dev", max_examples=6, **_COMMON)
-settings.register_profile("thorough", max_examples=150, **_COMMON)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+from profiles import THOROUGH  # noqa: E402  (registers and loads the Hypothesis profile)
 
 
 def pytest_configure(config):
@@ -36,6 +21,17 @@ def pytest_configure(config):
 
   if not config.pluginmanager.has_plugin("release_pytest"):
     config.pluginmanager.register(release_pytest, "release_pytest")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Deselects the tests marked `thorough` (a long sweep's extra columns) unless
+  HYPOTHESIS_PROFILE=thorough: they show as deselected, never as skipped."""
+  if THOROUGH:
+    return
+  deep = [item for item in items if item.get_closest_marker("thorough")]
+  if deep:
+    config.hook.pytest_deselected(items=deep)
+    items[:] = [item for item in items if not item.get_closest_marker("thorough")]
 
 
 @pytest.fixture(autouse=True, scope="module")

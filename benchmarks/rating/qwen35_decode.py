@@ -10,12 +10,13 @@ jnp, as XLA compiles it on a TPU):
   norms              rms_norm kernel (offset 1)     | the zero-centred norm in f32 (XLA)
   causal_conv1d      causal_conv1d_update kernel    | torch_causal_conv1d_update (XLA)
   gated delta rule   fused_recurrent kernel         | torch_recurrent_gated_delta_rule (XLA)
-  gated norm         rms_norm_gated kernel          | Qwen3_5RMSNormGated in f32 (XLA)
+  gated norm         rms_norm_gated kernel          | Qwen3_5RMSNormGated (XLA)
   attention          paged_attention kernel         | SDPA over a dense cache, GQA (XLA)
 
 Each part rates in its own child process (this file as a script, `--part NAME SIDE CHIP`,
 one ROW line), by the method of the row it matches in estimates.jsonl where there is one
-(rating/linear_attention.py, rating/paged_attention.py, peers/xla_ops.py), else
+(rating/linear_attention.py, rating/paged_attention.py, peers/xla_ops.py: re-rated, not
+read from the file, so that one command makes the whole prediction from today's code), else
 `xla_cost.glue_part` (XLA programs) or the compiled kernel's static estimate. A part's time
 is max(compute, HBM bytes / bandwidth) (rating/roofline.py's `prediction`); the step's is
 the sum of count x time.
@@ -43,6 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 from tpu_kernels import chips, rms_norm  # noqa: E402
 
 from benchmarks import RESULTS  # noqa: E402
+from benchmarks.cases.headline import RmsNorm  # noqa: E402
 from benchmarks.cases.seed import QWEN3_5_STEP, Qwen35DecodeStep  # noqa: E402
 from benchmarks.estimator import static_estimate, xla_cost  # noqa: E402
 from benchmarks.peers import xla_ops  # noqa: E402
@@ -88,10 +90,9 @@ def _dt(step):
 
 
 def zero_centred_norm(x, w, eps):
-  """Qwen3_5RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w) in f32, cast back."""
-  xf = x.astype(F32)
-  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)
-  return (y * (1.0 + w.astype(F32))).astype(x.dtype)
+  """Qwen3_5RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w) in f32, cast back (the plain-XLA
+  norm of kernels/tpu_kernels/rms_norm.py, offset 1)."""
+  return rms_norm.rms_norm_reference(x, w, eps=eps, offset=1.0)
 
 
 def in_projections(step):
@@ -180,14 +181,11 @@ def default_norm(step):
 
 
 def default_gated_norm(step):
-  """Qwen3_5RMSNormGated: weight * norm(x) * silu(z), in f32, cast back; rows of head_dim."""
+  """Qwen3_5RMSNormGated: weight * norm(x) * silu(z), the norm in f32 rounded to x's dtype
+  before the weight (norm_in_input_dtype), the gate in f32, cast back; rows of head_dim.
+  The plain-XLA gated norm of kernels/tpu_kernels/rms_norm.py, which has those roundings."""
   dt, L = _dt(step), step.gdn
-
-  def fn(x, z, w):
-    xf = x.astype(F32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + step.eps)
-    return (w.astype(F32) * y * jax.nn.silu(z.astype(F32))).astype(dt)
-
+  fn = lambda x, z, w: rms_norm.rms_norm_gated_reference(x, z, w, eps=step.eps)
   rows = step.batch * L.value_heads
   return fn, [S((rows, L.head_dim), dt), S((rows, L.head_dim), dt), S((L.head_dim,), dt)]
 
@@ -248,7 +246,7 @@ def rate_part(step: Qwen35DecodeStep, name: str, side: str, chip: str) -> dict:
       return xla_cost.glue_part(*default_norm(step), chip)
     _, specs = default_norm(step)
     fn = lambda x, w: rms_norm.rms_norm(x, w, eps=step.eps, offset=1.0, chip=chip)
-    return _kernel_part(fn, specs, chip, (2 * step.batch * step.hidden + step.hidden) * 2)
+    return _kernel_part(fn, specs, chip, RmsNorm(step.batch, step.hidden, step.dtype).min_bytes())
   if name == "causal_conv1d_update":
     case = step.conv_update_case()
     if side == DEFAULT:   # as peers/xla_ops.py rates it: the whole program's static estimate

@@ -26,12 +26,12 @@ from benchmarks.peers import tpu_inference_ops as T
 from benchmarks.peers.megablox import GMM_TRUNCATED_VISITS, GmmAnchor
 from benchmarks.peers.tpu_inference_ops import common
 from benchmarks.peers.tpu_inference_ops.attention import FLASH_HEADS
+from profiles import THOROUGH
 
 
 def _specs() -> list:
   return [s for case in cases.all_cases() for s in T.specs_for(case)]
 
-THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 
 
 def test_every_headline_case_but_rms_norm_has_a_tpu_inference_anchor():

@@ -27,6 +27,12 @@ Plus one forward program per entry of the tuning table
 One test per (model, chip) compiles the 10 programs of that model (1-13 s each; gpt-oss's
 interleaved gate/up is the slowest), spread over up to two worker processes (libtpu's
 compile is single-threaded; the test run itself is serial).
+
+Depth: the CI profile compiles the backward matrix of Qwen3-30B-A3B, the seed's MoE model;
+Mixtral's and gpt-oss's (about 250 s of CI's longest run on 2026-12-07) are marked
+`thorough` (HYPOTHESIS_PROFILE=thorough). Their forward tilings still compile in CI: the
+tuning table holds entries at both models' shapes, and the quantized and int8 programs
+below are theirs too.
 """
 
 import re
@@ -76,7 +82,9 @@ def _compile_and_check(pool, programs, chip, record_property):
 
 
 @pytest.mark.parametrize("chip", AOT_CHIPS)
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", [
+    pytest.param(m, marks=() if m == "qwen3-30b-a3b" else pytest.mark.thorough)
+    for m in MODELS])
 def test_model_shapes_compile_bf16(pool, model, chip, record_property):
   programs = [p for m in ROWS for p in model_programs(model, m, directions=("bwd",))]
   _compile_and_check(pool, programs, chip, record_property)

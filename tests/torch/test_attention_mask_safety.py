@@ -31,7 +31,6 @@ their own configs (random weights, float32, CPU).
 float32 tolerance: rtol = atol = 1e-4 of eager, as in test_flash_attention_models.py.
 """
 
-import os
 import traceback
 
 import pytest
@@ -39,6 +38,7 @@ import torch
 
 import reference as ref
 import transformers_integration as ti
+from profiles import THOROUGH
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 BARE = "bare_tpu_attention"        # attention function only, no mask function
@@ -295,8 +295,7 @@ def _equals_eager_with_and_without_padding(model, ids, mask, registered):
 # backend "eager" (Dynamo's trace, run without a compiler) in the default profile: what
 # dropped the mask's attributes was Dynamo's tracing. HYPOTHESIS_PROFILE=thorough adds
 # "aot_eager" (AOTAutograd's functionalized graph) and Inductor.
-BACKENDS = ["eager"] + (["aot_eager", "inductor"]
-                        if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else [])
+BACKENDS = ["eager"] + (["aot_eager", "inductor"] if THOROUGH else [])
 
 
 def _tiny_phimoe():
@@ -333,7 +332,6 @@ COMPILED = {
 # The default profile runs one case per path (no padding, padding, a plain causal model);
 # thorough runs them all.
 CI_COMPILED = ("phimoe", "stablelm is_causal=False, left padding", "llama, left padding")
-THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

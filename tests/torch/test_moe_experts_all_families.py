@@ -30,16 +30,15 @@ bf16 on one class per distinct kind (activation, gate function, layout flags, po
 HYPOTHESIS_PROFILE=thorough runs bf16 on every class.
 """
 
-import os
 
 import pytest
 import torch
 
 import reference_moe as ref
 from coverage_walk import coverage
+from profiles import THOROUGH
 
 BF16_BOUND = {"out": 3e-2, "grad": 6e-2}
-THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 
 CLASSES = coverage.all_experts_classes()
 IDS = [f"{family}-{cls.__name__}" for family, cls in CLASSES]

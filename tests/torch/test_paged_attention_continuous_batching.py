@@ -26,13 +26,13 @@ HYPOTHESIS_PROFILE=thorough: every family with both page sizes.
 """
 
 import itertools
-import os
 import re
 
 import pytest
 import torch
 
 import transformers_integration as ti
+from profiles import THOROUGH
 
 NEW_TOKENS = 6
 PROMPT_LENGTHS = (5, 21, 37, 12, 44)
@@ -43,9 +43,8 @@ MAX_REQUESTS_PER_BATCH = 4
 NUM_BLOCKS = {16: 6, 64: 3}
 FAMILIES = ("llama", "qwen3", "gpt_oss")
 PAGE_SIZES = (16, 64)
-CASES = ([("llama", 16), ("qwen3", 64), ("gpt_oss", 16)]
-         if os.environ.get("HYPOTHESIS_PROFILE") != "thorough"
-         else list(itertools.product(FAMILIES, PAGE_SIZES)))
+CASES = (list(itertools.product(FAMILIES, PAGE_SIZES)) if THOROUGH
+         else [("llama", 16), ("qwen3", 64), ("gpt_oss", 16)])
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
