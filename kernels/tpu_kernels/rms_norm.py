@@ -32,6 +32,19 @@ The weight gradient is reduced in two stages so that the row axis stays
 its block's column sums to its own (1, hidden) slot of an f32 array of shape
 (num_blocks, 1, hidden), and XLA sums the slots.
 
+Narrow rows, forward. A row narrower than 128 fills part of a lane tile, and the TPU
+stores most [rows, hidden] arrays of such rows column-major (`vmem.prefers_column_major`:
+[196608, 64] does, [8, 64] does not). There the plain forward runs on the transpose of
+x's last two axes: x (..., seq, hidden) read as (slabs, hidden, seq), a free view of that
+layout; grid (slabs, cdiv(seq, block)) over blocks (hidden, block), block a multiple of 128
+(or all of seq), the weight one (hidden, 1) block, and a row's mean square is a reduction
+over sublanes. On the row layout XLA would copy x into row-major before the kernel and the
+output back after it (on v6e, at SD3.5's [196608, 64] q / k norms, those two copies were
+527k of the program's 765k estimated cycles). For more than two axes the choice reads
+only the last two (the TPU's layout of [B, H, S, 64] swaps exactly those; of [B, S, H, 64]
+it does not, and there x is copied either way). The fused residual add and the backward
+keep the row layout.
+
 Tiles. block_rows is the largest multiple of the dtype's sublane tile that fits
 the chip's VMEM budget (see `vmem.py`), counting double-buffered input and output
 blocks and the f32 temporaries, and capped at MAX_BLOCK_ROWS; a problem with
@@ -62,6 +75,9 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Beyond this, bigger blocks buy nothing for a memory-bound kernel (the per-step
 # overhead is already amortised) and only delay the start of the pipeline.
 MAX_BLOCK_ROWS = 1024
+# The lane-block cap of the narrow-row forward (`column_tiling`): 8192 rows of 64 in bf16
+# are 1 MiB per block, as much as 1024 rows of 512.
+MAX_BLOCK_COLUMNS = 8192
 # f32 full-block temporaries live at once in the kernel bodies (counted generously:
 # the compiler may keep x, x*x, the product and casts around together).
 _FWD_F32_TEMPORARIES = 3
@@ -155,6 +171,30 @@ def forward_tiling(rows, hidden, x_dtype, out_dtype, has_residual, config) -> Ti
                  dtypes=(x_dtype, out_dtype), config=config)
 
 
+def column_tiling(rows, hidden, x_dtype, out_dtype, config) -> Tiling | None:
+  """Tiling of the plain forward on the transpose (hidden, rows) of x's last two axes
+  (rows: x.shape[-2]; `block_rows`: rows of x per lane block, a multiple of 128 or all of
+  them), or None where the row layout is used: hidden >= 128, a row-major default layout
+  of those two axes, a caller-fixed block_rows, or a column of hidden too tall for the
+  VMEM budget at 128 lanes."""
+  if (hidden >= 128 or config.block_rows is not None
+      or not vmem.prefers_column_major(rows, hidden)):
+    return None
+  chip = chips.get_chip(config.chip)
+  dtypes = (x_dtype, out_dtype)
+  sublanes = vmem.round_up(hidden, max(vmem.sublane_multiple(d) for d in dtypes))
+  per_column = sublanes * (2 * sum(np.dtype(d).itemsize for d in dtypes)
+                           + 4 * _FWD_F32_TEMPORARIES)
+  fixed = 2 * vmem.round_up(hidden, 8) * 128 * 4   # the (hidden, 1) weight, lane-padded
+  limit = vmem.resolve_vmem_limit(chip, config.vmem_limit_bytes)
+  fit = vmem.round_down(max(int(limit * vmem.BUDGET_FRACTION) - fixed, 0) // per_column, 128)
+  if fit < 128:
+    return None
+  block = min(fit, MAX_BLOCK_COLUMNS)
+  block = rows if rows <= block else block
+  return Tiling(block, limit, fixed + per_column * vmem.round_up(block, 128))
+
+
 def backward_tiling(rows, hidden, x_dtype, grad_dtype, has_residual_grad, config) -> Tiling:
   """Tiling of the backward kernel for a (rows, hidden) input."""
   x_bytes, g_bytes = np.dtype(x_dtype).itemsize, np.dtype(grad_dtype).itemsize
@@ -164,9 +204,9 @@ def backward_tiling(rows, hidden, x_dtype, grad_dtype, has_residual_grad, config
                  dtypes=(x_dtype, grad_dtype), config=config)
 
 
-def _compiler_params(tiling: Tiling, num_operands: int, weight_index: int):
+def _compiler_params(tiling: Tiling, num_operands: int, weight_index: int, grid_dims=1):
   fusion = [i == weight_index for i in range(num_operands)]
-  return pltpu.CompilerParams(dimension_semantics=("parallel",),
+  return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_dims,
                               vmem_limit_bytes=tiling.vmem_limit_bytes,
                               allow_input_fusion=fusion)
 
@@ -186,6 +226,13 @@ def _forward_kernel(*refs, eps, offset, has_residual):
     x = x_ref[...].astype(jnp.float32)
   inv = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
   scale = w_ref[...].astype(jnp.float32) + offset
+  out_ref[...] = (x * inv * scale).astype(out_ref.dtype)
+
+
+def _forward_columns_kernel(x_ref, w_ref, out_ref, *, eps, offset):
+  x = x_ref[...].astype(jnp.float32)                  # (hidden, block): a row of x per lane
+  inv = jax.lax.rsqrt(jnp.mean(x * x, axis=0, keepdims=True) + eps)
+  scale = w_ref[...].astype(jnp.float32) + offset     # (hidden, 1)
   out_ref[...] = (x * inv * scale).astype(out_ref.dtype)
 
 
@@ -269,6 +316,10 @@ def rms_norm_forward(x, weight, residual=None, *, config: RmsNormConfig = RmsNor
     return rms_norm_forward(residual_out, weight, config=config), residual_out
 
   kx = _kernel_dtype(x.dtype)
+  if not has_residual and x.ndim >= 2:
+    columns = column_tiling(x.shape[-2], hidden, kx, _kernel_dtype(out_dtype), config)
+    if columns is not None:
+      return _forward_on_columns(x, weight, out_dtype, columns, config)
   tiling = forward_tiling(rows, hidden, kx, _kernel_dtype(out_dtype), has_residual, config)
   row_block = pl.BlockSpec((tiling.block_rows, hidden), lambda i: (i, 0))
   weight_block = pl.BlockSpec((1, hidden), lambda i: (0, 0))
@@ -297,6 +348,27 @@ def rms_norm_forward(x, weight, residual=None, *, config: RmsNormConfig = RmsNor
              for r, d in zip(results, [out_dtype, x.dtype])]
   results = [r.reshape(x.shape) for r in results]
   return tuple(results) if has_residual else results[0]
+
+
+def _forward_on_columns(x, weight, out_dtype, tiling: Tiling, config: RmsNormConfig):
+  """The plain forward of narrow rows on the transpose of x's last two axes (see the
+  module docstring): x (..., seq, hidden) is read as (slabs, hidden, seq), slabs the
+  product of the leading axes (1 for a 2-D x); out of x's shape in out_dtype."""
+  *lead, seq, hidden = x.shape
+  slabs = math.prod(lead)
+  column_block = pl.BlockSpec((None, hidden, tiling.block_rows), lambda g, i: (g, 0, i))
+  x_t = jnp.swapaxes(_to_kernel(x), -1, -2).reshape(slabs, hidden, seq)
+  out_t = pl.pallas_call(
+      functools.partial(_forward_columns_kernel, eps=config.eps, offset=config.offset),
+      grid=(slabs, pl.cdiv(seq, tiling.block_rows)),
+      in_specs=[column_block, pl.BlockSpec((hidden, 1), lambda g, i: (0, 0))],
+      out_specs=column_block,
+      out_shape=jax.ShapeDtypeStruct((slabs, hidden, seq), _kernel_dtype(out_dtype)),
+      compiler_params=_compiler_params(tiling, 2, 1, grid_dims=2),
+      interpret=config.interpret,
+      name="rms_norm_fwd_columns",
+  )(x_t, _to_kernel(weight).reshape(hidden, 1))
+  return jnp.swapaxes(out_t.reshape(*lead, hidden, seq), -1, -2).astype(out_dtype)
 
 
 def rms_norm_backward(x, weight, grad_out, grad_residual=None, *,

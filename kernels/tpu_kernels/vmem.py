@@ -68,3 +68,18 @@ def round_up(n: int, multiple: int) -> int:
 
 def round_down(n: int, multiple: int) -> int:
   return (n // multiple) * multiple
+
+
+def prefers_column_major(rows: int, cols: int) -> bool:
+  """Whether the TPU's default HBM layout of a 2-D [rows, cols] array is column-major.
+
+  The TPU runtime stores arrays in (8, 128) tiles and, for a 2-D shape, puts whichever
+  dimension pads less into the 128-wide lanes: [196608, 64] and [4096, 2880] live
+  column-major, [4096, 4096] and [8, 64] row-major (a tie keeps row-major). A Mosaic kernel
+  reads and writes row-major, so XLA copies a column-major operand into row-major before the
+  kernel and back after it, unless the kernel takes the transpose, which is then free.
+  (Checked against libtpu's own default layout, `client.get_default_layout`, by
+  tests/jax/test_aot_compile.py; it differs only for one-wide arrays of 7 or 8 rows.)
+  """
+  return round_up(cols, 8) * round_up(rows, 128) < round_up(rows, 8) * round_up(cols, 128)
+

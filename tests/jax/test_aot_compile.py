@@ -7,12 +7,14 @@ not a multiple of 128), rows 1 to 65536.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from tpu_kernels import aot, chips, rms_norm as K
+from tpu_kernels import aot, chips, rms_norm as K, vmem
 
 pytestmark = pytest.mark.aot
 
@@ -87,3 +89,44 @@ def test_explicit_vmem_limit_reaches_the_compiler():
   fn = functools.partial(K.rms_norm, chip="v6e", vmem_limit_bytes=48 * 2**20)
   report = aot.compile_for_chip(fn, [S((64, 512), jnp.float32), S((512,), jnp.float32)], "v6e")
   assert report.ok and report.scoped_vmem_bytes == 48 * 2**20
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+def test_column_major_rule_is_libtpus_default_layout(chip):
+  """vmem.prefers_column_major, which picks the narrow-row forward, says what libtpu's own
+  default layout of a 2-D array is, over a grid of shapes and dtypes; the one known
+  difference is one-wide arrays of 7 or 8 rows (never a norm's shape)."""
+  device = aot.topology_device(chip)
+  differ = set()
+  for dtype in ("float32", "bfloat16", "float16"):
+    for rows in (1, 7, 8, 9, 17, 63, 64, 65, 100, 127, 128, 129, 200, 1000, 4096, 196608):
+      for cols in (1, 8, 32, 64, 80, 96, 127, 128, 129, 192, 256, 1000, 2880, 4096):
+        layout = str(device.client.get_default_layout(np.dtype(dtype), (rows, cols), device))
+        if layout.startswith("{0,1") != vmem.prefers_column_major(rows, cols):
+          differ.add((rows, cols))
+  assert differ <= {(7, 1), (8, 1)}, sorted(differ)
+
+
+@pytest.mark.parametrize("chip", AOT_CHIPS)
+@pytest.mark.parametrize("shape, dtype", [((196608, 64), jnp.bfloat16),
+                                          ((2, 24, 4096, 64), jnp.bfloat16),
+                                          ((15984, 64), jnp.bfloat16),
+                                          ((1000, 64), jnp.float32)])
+def test_narrow_rows_compile_on_the_transpose_without_copies(chip, shape, dtype):
+  """SD3.5's q / k norms (head_dim 64; Diffusers calls them on [B, H, S, D]): the forward
+  compiles as the one transposed kernel reading x where the TPU keeps it, with no copy of
+  x or of the output around it (x's only copy-sized ops are bitcasts); the backward (row
+  layout) compiles too."""
+  device = aot.topology_device(chip)
+  plain = functools.partial(K.rms_norm, chip=chip, offset=1.0)
+  specs = [aot._on_device(s, device) for s in (S(shape, dtype), S((64,), dtype))]
+  text = jax.jit(plain).trace(*specs).lower().compile().as_text()
+  assert aot.kernel_names(text) == ("rms_norm_fwd_columns",), aot.kernel_names(text)
+  size = int(np.prod(shape))
+  big_copies = [line for line in text.splitlines() if " copy(" in line and any(
+      int(np.prod([int(d) for d in dims.split(",")])) == size
+      for dims in re.findall(r"\[([\d,]+)\]", line.split("copy(")[0]))]
+  assert not big_copies, big_copies
+  bwd = aot.compile_for_chip(lambda a, b, g: jax.vjp(plain, a, b)[1](g),
+                             [S(shape, dtype), S((64,), dtype), S(shape, dtype)], chip)
+  assert bwd.ok, bwd.error

@@ -241,6 +241,44 @@ def test_explicit_vmem_limit_is_respected():
                      K.RmsNormConfig(chip="v6e", vmem_limit_bytes=4 * vmem.MiB))
 
 
+@pytest.mark.parametrize("shape, dtype, weight_dtype, offset", [
+    ((1000, 64), "bfloat16", "bfloat16", 1.0),   # SD3.5's q / k norms: head_dim 64
+    ((2, 500, 64), "float32", "float32", 0.0),
+    ((700, 96), "bfloat16", "float32", 0.0),     # out promoted to f32
+    ((3000, 8), "float16", "float16", 1.0),      # f16 travels as f32
+    ((2, 3, 1000, 64), "bfloat16", "bfloat16", 0.0),   # Diffusers' [B, H, S, D]: 6 slabs
+])
+def test_narrow_rows_run_on_the_transpose(shape, dtype, weight_dtype, offset):
+  """Rows narrower than 128 that the TPU stores column-major run the forward on the
+  transpose of the last two axes; a small VMEM limit gives several lane blocks per slab and
+  a partial last one, which must leave no row unwritten (interpret mode fills unwritten
+  output with NaN)."""
+  rows, hidden = shape[-2], shape[-1]     # the transposed axes: the last two
+  config = K.RmsNormConfig(chip="v6e", vmem_limit_bytes=vmem.MiB)
+  tiling = K.column_tiling(rows, hidden, K._kernel_dtype(jnp.dtype(dtype)),
+                           K._kernel_dtype(jnp.promote_types(dtype, weight_dtype)), config)
+  assert tiling is not None and tiling.block_rows % 128 == 0 and rows % tiling.block_rows
+  assert tiling.vmem_plan_bytes <= vmem.vmem_budget(chips.get_chip("v6e"), vmem.MiB)
+  p = dict(shape=shape, dtype=dtype, weight_dtype=weight_dtype, offset=offset, seed=rows)
+  x, w = _arrays(p, "x", "weight")
+  out = K.rms_norm(x, w, eps=1e-6, offset=offset, chip="v6e", vmem_limit_bytes=vmem.MiB,
+                   interpret=True)
+  assert out.dtype == jnp.promote_types(x.dtype, w.dtype) and out.shape == x.shape
+  expected = ref.rms_norm(x, w, 1e-6, offset)
+  ref.assert_close(out, expected, ref.TOLERANCE[jnp.dtype(out.dtype).name], "rms_norm")
+
+
+@pytest.mark.parametrize("rows, hidden, kwargs", [
+    (8, 64, {}),                   # the TPU keeps [8, 64] row-major
+    (4096, 128, {}),               # full lane tiles
+    (4096, 2880, {}),              # column-major, but rows this wide keep the row kernel
+    (1000, 64, dict(block_rows=16)),   # the caller fixed row blocks
+])
+def test_the_row_layout_stays_where_the_transpose_does_not_apply(rows, hidden, kwargs):
+  config = K.RmsNormConfig(chip="v6e", **kwargs)
+  assert K.column_tiling(rows, hidden, jnp.bfloat16, jnp.bfloat16, config) is None
+
+
 @pytest.mark.parametrize("hidden", [2880, 5120, 8192, 16384])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_widths(hidden, dtype):
