@@ -1,6 +1,7 @@
 """The headline cases: the shapes every performance number in this project is quoted at,
 and the four case kinds they are made of (RMSNorm, one grouped-matmul projection of a MoE
-layer, causal GQA attention, a paged decode step).
+layer, causal GQA attention, a paged decode step), with the gated RMSNorm kind beside its
+sibling (the seed models' calls use it; no headline case does).
 
 One home for them, so that the static estimator (`benchmarks/estimate.py`), the peers rated
 beside our kernels (`benchmarks/peers/`) and the wall-clock benchmark for a real TPU
@@ -46,6 +47,40 @@ class RmsNorm:
     x = jax.ShapeDtypeStruct((self.rows, self.hidden), self.dtype)
     w = jax.ShapeDtypeStruct((self.hidden,), self.dtype)
     return functools.partial(rms_norm.rms_norm, chip=chip), [x, w]
+
+
+@dataclasses.dataclass(frozen=True)
+class RmsNormGated:
+  """Gated RMSNorm (Transformers' RMSNormGated: weight * norm(x) * silu(gate)) over rows
+  of one head's values, as Gated DeltaNet layers call it after the recurrence: x and gate
+  [rows, hidden], weight [hidden]. Not a headline case: the kind of the seed models' calls."""
+  rows: int
+  hidden: int
+  dtype: str = "bfloat16"
+  kernel = "rms-norm-tpu"
+
+  @property
+  def name(self) -> str:
+    return f"rms_norm_gated silu bf16[{self.rows},{self.hidden}]"
+
+  bound = "memory"
+
+  def flops(self) -> int:
+    return 8 * self.rows * self.hidden
+
+  def min_bytes(self) -> int:
+    return (3 * self.rows * self.hidden + self.hidden) * ITEMSIZE[self.dtype]
+
+  def specs(self):
+    import jax
+    x = jax.ShapeDtypeStruct((self.rows, self.hidden), self.dtype)
+    return [x, x, jax.ShapeDtypeStruct((self.hidden,), self.dtype)]
+
+  def program(self, chip: str):
+    """(fn, specs): our kernel on this case, rated as one whole program (rating/ours.py)."""
+    import functools
+    from tpu_kernels import rms_norm
+    return functools.partial(rms_norm.rms_norm_gated, chip=chip), self.specs()
 
 
 # MoE expert shapes: (experts, hidden, expert width). gpt-oss-20b: 32 experts (its Hub

@@ -28,7 +28,8 @@ from benchmarks.cases import (causal_conv1d, diffusion, experts_layer, gated_del
 from benchmarks.cases.causal_conv1d import ConvPrefill, ConvUpdate
 from benchmarks.cases.diffusion import DIFFUSION_ATTENTION, JointAttention
 from benchmarks.cases.gated_delta_rule import GdnChunked, GdnDecode
-from benchmarks.cases.headline import Attention, GroupedMatmul, PagedDecode, RmsNorm
+from benchmarks.cases.headline import (Attention, GroupedMatmul, PagedDecode, RmsNorm,
+                                       RmsNormGated)
 
 PREFILL = (4096, 32768)
 DECODE_BATCH, DECODE_CONTEXT, PAGE = 64, 4096, 64
@@ -62,8 +63,7 @@ def _qwen35_9b() -> list[Call]:
     calls += [Call(m, f"RMSNorm (1 + w), {when}", 2 * layers + 1, RmsNorm(rows, 4096)),
               Call(m, f"q_norm (1 + w), {when}", full, RmsNorm(rows * 16, 256)),
               Call(m, f"k_norm (1 + w), {when}", full, RmsNorm(rows * 4, 256)),
-              Call(m, f"gated RMSNorm, {when}", gdn, None,
-                   f"no case kind for the gated norm yet ({rows * 32} rows x 128)")]
+              Call(m, f"gated RMSNorm, {when}", gdn, RmsNormGated(rows * 32, 128))]
   return calls
 
 

@@ -5,6 +5,8 @@ gets without our kernels, rated in benchmarks/estimate.py's child process.
     RmsNorm             xla (jnp)                       rms_norm.rms_norm_reference (plain jnp,
                                                         f32 math): the static estimate of the
                                                         whole program, as ours
+    RmsNormGated        xla (jnp)                       rms_norm.rms_norm_gated_reference
+                                                        (Qwen3.5's roundings), the same way
     GroupedMatmul       xla (lax.ragged_dot)            jax.lax.ragged_dot on weights in its
                                                         native (G, k, n) layout (no transpose
                                                         charged to it), the gate fused
@@ -44,10 +46,17 @@ from benchmarks.cases.causal_conv1d import ConvPrefill, ConvUpdate
 from benchmarks.cases.diffusion import JointAttention
 from benchmarks.cases.gated_delta_rule import CHUNK, GdnChunked, GdnDecode
 from benchmarks.cases.experts_layer import ExpertsLayer
-from benchmarks.cases.headline import Attention, GroupedMatmul, PagedDecode, RmsNorm
+from benchmarks.cases.headline import (Attention, GroupedMatmul, PagedDecode, RmsNorm,
+                                       RmsNormGated)
 from benchmarks.estimator import static_estimate
 from benchmarks.estimator.xla_cost import xla_cost
 from benchmarks.peers import protocol
+
+
+def rms_norm_gated_program(case: RmsNormGated):
+  """Transformers' RMSNormGated (Qwen3.5's roundings) in plain jnp, as XLA fuses it."""
+  from tpu_kernels import rms_norm
+  return rms_norm.rms_norm_gated_reference, case.specs()
 
 
 def rms_norm_program(case: RmsNorm):
@@ -272,6 +281,7 @@ STATIC, COST, CHUNKED = "static estimate", "cost_analysis", "cost_analysis in ch
 # case kind -> (row name, program builder, how it is rated)
 PROGRAMS = {
     RmsNorm: ("xla (jnp)", rms_norm_program, STATIC),
+    RmsNormGated: ("xla (jnp)", rms_norm_gated_program, STATIC),
     GroupedMatmul: ("xla (lax.ragged_dot)", grouped_matmul_program, COST),
     Attention: ("xla (nn.dot_product_attention)", attention_program, COST),
     JointAttention: ("xla (nn.dot_product_attention)", attention_program, COST),

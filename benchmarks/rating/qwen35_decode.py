@@ -44,7 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 from tpu_kernels import chips, rms_norm  # noqa: E402
 
 from benchmarks import RESULTS  # noqa: E402
-from benchmarks.cases.headline import RmsNorm  # noqa: E402
+from benchmarks.cases.headline import RmsNorm, RmsNormGated  # noqa: E402
 from benchmarks.cases.seed import QWEN3_5_STEP, Qwen35DecodeStep  # noqa: E402
 from benchmarks.estimator import static_estimate, xla_cost  # noqa: E402
 from benchmarks.peers import xla_ops  # noqa: E402
@@ -264,7 +264,8 @@ def rate_part(step: Qwen35DecodeStep, name: str, side: str, chip: str) -> dict:
       return xla_cost.glue_part(fn, specs, chip)
     rows = step.batch * L.value_heads
     kernel = lambda x, z, w: rms_norm.rms_norm_gated(x, z, w, eps=step.eps, chip=chip)
-    return _kernel_part(kernel, specs, chip, (3 * rows * L.head_dim + L.head_dim) * 2)
+    return _kernel_part(kernel, specs, chip,
+                        RmsNormGated(rows, L.head_dim, step.dtype).min_bytes())
   if name == "attention over the KV cache":
     if side == DEFAULT:
       fn, specs = default_attention(step)

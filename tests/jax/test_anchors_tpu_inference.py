@@ -5,7 +5,7 @@ Default profile: the map from cases to specs and their arithmetic (no venv), plu
 for v6e at Qwen3-30B-A3B int8 m=64 (plain compile), checking its closed form against
 tpu-inference's own make_group_metadata, one asks gmm's tiling at gpt-oss-20b (~10 s in all);
 benchmarks/probes/fused_moe.py runs there (~15 s). HYPOTHESIS_PROFILE=thorough also compiles
-the flash and RPA v3 specs there (no static profile: the estimates come from
+the flash and RPA v3 specs there (marked `thorough`; no static profile: the estimates come from
 `benchmarks/estimate.py`)."""
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from benchmarks.peers import tpu_inference_ops as T
 from benchmarks.peers.megablox import GMM_TRUNCATED_VISITS, GmmAnchor
 from benchmarks.peers.tpu_inference_ops import common
 from benchmarks.peers.tpu_inference_ops.attention import FLASH_HEADS
-from profiles import THOROUGH
 
 
 def _specs() -> list:
@@ -196,7 +195,7 @@ def test_gmm_spec_compiles_in_its_venv_and_its_closed_form_holds():
   assert list(config["picked"]) == [64, 2048, 2048] and list(config["tiling"]) == [64, 2880, 2048]
 
 
-@pytest.mark.skipif(not THOROUGH, reason="thorough profile only (~30 s of compiles)")
+@pytest.mark.thorough   # ~30 s of compiles
 @pytest.mark.parametrize("case,kernels", [(Attention(4096), 1),
                                           (PagedDecode(2048), 2)])
 def test_flash_and_rpa_v3_specs_compile_in_their_venv(case, kernels):

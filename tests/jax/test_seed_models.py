@@ -2,6 +2,8 @@
 counts are the pipelines' arithmetic, a call shared with another family is that family's
 very case (one rating), every name is one case, and the docs' table is the module's."""
 
+import pytest
+
 from benchmarks import RESULTS, ROOT, read_rows
 from benchmarks.cases import all_cases
 from benchmarks.cases.seed_models import SEED_MODELS, TEXT_TOKENS
@@ -46,6 +48,20 @@ def test_layer_counts_and_shared_cases():
   for c in SEED_MODELS:   # one name, one case: a table row is found by its case's name
     if c.case is not None:
       assert by_name.setdefault(c.case.name, c.case) == c.case, c.case.name
+
+
+def test_gated_norm_calls_are_one_row_per_value_head():
+  """Qwen3.5-9B's Gated DeltaNet normalises each value head's output: 32 value heads of
+  head_dim 128 (Qwen3_5TextConfig's linear_num_value_heads / linear_value_head_dim) per
+  token, so tokens x 32 rows of 128, once per Gated DeltaNet layer (24)."""
+  transformers = pytest.importorskip("transformers")   # leg 1 has it, leg 2 (JAX only) not
+  cfg = transformers.Qwen3_5TextConfig()
+  for when, tokens in (("prefill 4096", 4096), ("decode", 64)):
+    call = _call("Qwen3.5-9B", f"gated RMSNorm, {when}")
+    assert (call.case.rows, call.case.hidden) == (
+        tokens * cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+    assert call.per_forward == cfg.layer_types.count("linear_attention") == 24
+    assert call.case.min_bytes() == (3 * call.case.rows * 128 + 128) * 2
 
 
 def test_table_is_made_from_the_results():
