@@ -42,8 +42,9 @@ over sublanes. On the row layout XLA would copy x into row-major before the kern
 output back after it (on v6e, at SD3.5's [196608, 64] q / k norms, those two copies were
 527k of the program's 765k estimated cycles). For more than two axes the choice reads
 only the last two (the TPU's layout of [B, H, S, 64] swaps exactly those; of [B, S, H, 64]
-it does not, and there x is copied either way). The fused residual add and the backward
-keep the row layout.
+it does not, and there x is copied either way). The plain backward does the same (the
+weight gradient's partial sums one (hidden, 1) slot per block, summed by XLA); the fused
+residual add keeps the row layout.
 
 Tiles. block_rows is the largest multiple of the dtype's sublane tile that fits
 the chip's VMEM budget (see `vmem.py`), counting double-buffered input and output
@@ -171,21 +172,19 @@ def forward_tiling(rows, hidden, x_dtype, out_dtype, has_residual, config) -> Ti
                  dtypes=(x_dtype, out_dtype), config=config)
 
 
-def column_tiling(rows, hidden, x_dtype, out_dtype, config) -> Tiling | None:
-  """Tiling of the plain forward on the transpose (hidden, rows) of x's last two axes
-  (rows: x.shape[-2]; `block_rows`: rows of x per lane block, a multiple of 128 or all of
-  them), or None where the row layout is used: hidden >= 128, a row-major default layout
-  of those two axes, a caller-fixed block_rows, or a column of hidden too tall for the
-  VMEM budget at 128 lanes."""
+def _column_tiling(rows, hidden, *, dtypes, buffer_bytes, f32_temporaries, weight_blocks,
+                   config) -> Tiling | None:
+  """Lane blocks of the transposed layout (`column_tiling`); `buffer_bytes` per element of a
+  column over the double-buffered blocks, `weight_blocks` (hidden, 1) f32-sized blocks."""
   if (hidden >= 128 or config.block_rows is not None
       or not vmem.prefers_column_major(rows, hidden)):
     return None
   chip = chips.get_chip(config.chip)
-  dtypes = (x_dtype, out_dtype)
   sublanes = vmem.round_up(hidden, max(vmem.sublane_multiple(d) for d in dtypes))
-  per_column = sublanes * (2 * sum(np.dtype(d).itemsize for d in dtypes)
-                           + 4 * _FWD_F32_TEMPORARIES)
-  fixed = 2 * vmem.round_up(hidden, 8) * 128 * 4   # the (hidden, 1) weight, lane-padded
+  per_column = sublanes * (2 * buffer_bytes + 4 * f32_temporaries)
+  # The (hidden, 1) blocks (the weight; the backward's weight-gradient slot), lane-padded
+  # and double-buffered.
+  fixed = weight_blocks * 2 * vmem.round_up(hidden, 8) * 128 * 4
   limit = vmem.resolve_vmem_limit(chip, config.vmem_limit_bytes)
   fit = vmem.round_down(max(int(limit * vmem.BUDGET_FRACTION) - fixed, 0) // per_column, 128)
   if fit < 128:
@@ -193,6 +192,27 @@ def column_tiling(rows, hidden, x_dtype, out_dtype, config) -> Tiling | None:
   block = min(fit, MAX_BLOCK_COLUMNS)
   block = rows if rows <= block else block
   return Tiling(block, limit, fixed + per_column * vmem.round_up(block, 128))
+
+
+def column_tiling(rows, hidden, x_dtype, out_dtype, config) -> Tiling | None:
+  """Tiling of the plain forward on the transpose (hidden, rows) of x's last two axes
+  (rows: x.shape[-2]; `block_rows`: rows of x per lane block, a multiple of 128 or all of
+  them), or None where the row layout is used: hidden >= 128, a row-major default layout
+  of those two axes, a caller-fixed block_rows, or a column of hidden too tall for the
+  VMEM budget at 128 lanes."""
+  dtypes = (x_dtype, out_dtype)
+  return _column_tiling(rows, hidden, dtypes=dtypes,
+                        buffer_bytes=sum(np.dtype(d).itemsize for d in dtypes),
+                        f32_temporaries=_FWD_F32_TEMPORARIES, weight_blocks=1, config=config)
+
+
+def column_backward_tiling(rows, hidden, x_dtype, grad_dtype, config) -> Tiling | None:
+  """Tiling of the plain backward on the transpose, as `column_tiling` (x and dx in x's
+  dtype, g in grad_dtype)."""
+  x_bytes, g_bytes = np.dtype(x_dtype).itemsize, np.dtype(grad_dtype).itemsize
+  return _column_tiling(rows, hidden, dtypes=(x_dtype, grad_dtype),
+                        buffer_bytes=2 * x_bytes + g_bytes,
+                        f32_temporaries=_BWD_F32_TEMPORARIES, weight_blocks=2, config=config)
 
 
 def backward_tiling(rows, hidden, x_dtype, grad_dtype, has_residual_grad, config) -> Tiling:
@@ -234,6 +254,20 @@ def _forward_columns_kernel(x_ref, w_ref, out_ref, *, eps, offset):
   inv = jax.lax.rsqrt(jnp.mean(x * x, axis=0, keepdims=True) + eps)
   scale = w_ref[...].astype(jnp.float32) + offset     # (hidden, 1)
   out_ref[...] = (x * inv * scale).astype(out_ref.dtype)
+
+
+def _backward_columns_kernel(x_ref, w_ref, g_ref, dx_ref, dw_partial_ref, *, eps, offset,
+                            seq, block):
+  x = x_ref[...].astype(jnp.float32)                  # (hidden, block): a row of x per lane
+  g = g_ref[...].astype(jnp.float32)
+  inv = jax.lax.rsqrt(jnp.mean(x * x, axis=0, keepdims=True) + eps)
+  gw = g * (w_ref[...].astype(jnp.float32) + offset)
+  dx = inv * (gw - x * (inv * inv) * jnp.mean(gw * x, axis=0, keepdims=True))
+  dx_ref[...] = dx.astype(dx_ref.dtype)
+  # Lanes past `seq` in a partial last block hold garbage: select, not multiply.
+  column = pl.program_id(1) * block + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  contribution = jnp.where(column < seq, g * x * inv, 0.0)
+  dw_partial_ref[...] = jnp.sum(contribution, axis=1, keepdims=True)
 
 
 def _backward_kernel(*refs, eps, offset, rows, block_rows, has_residual_grad):
@@ -371,6 +405,30 @@ def _forward_on_columns(x, weight, out_dtype, tiling: Tiling, config: RmsNormCon
   return jnp.swapaxes(out_t.reshape(*lead, hidden, seq), -1, -2).astype(out_dtype)
 
 
+def _backward_on_columns(x, weight, grad_out, tiling: Tiling, config: RmsNormConfig):
+  """The plain backward of narrow rows on the transpose of the last two axes, as
+  `_forward_on_columns`: (dx in x's dtype and shape, dweight (hidden,) in weight's)."""
+  *lead, seq, hidden = x.shape
+  slabs, block = math.prod(lead), tiling.block_rows
+  num_blocks = pl.cdiv(seq, block)
+  column_block = pl.BlockSpec((None, hidden, block), lambda g, i: (g, 0, i))
+  transposed = lambda a: jnp.swapaxes(_to_kernel(a), -1, -2).reshape(slabs, hidden, seq)
+  dx_t, dw_partial = pl.pallas_call(
+      functools.partial(_backward_columns_kernel, eps=config.eps, offset=config.offset,
+                        seq=seq, block=block),
+      grid=(slabs, num_blocks),
+      in_specs=[column_block, pl.BlockSpec((hidden, 1), lambda g, i: (0, 0)), column_block],
+      out_specs=[column_block, pl.BlockSpec((None, None, hidden, 1), lambda g, i: (g, i, 0, 0))],
+      out_shape=[jax.ShapeDtypeStruct((slabs, hidden, seq), _kernel_dtype(x.dtype)),
+                 jax.ShapeDtypeStruct((slabs, num_blocks, hidden, 1), jnp.float32)],
+      compiler_params=_compiler_params(tiling, 3, 1, grid_dims=2),
+      interpret=config.interpret,
+      name="rms_norm_bwd_columns",
+  )(transposed(x), _to_kernel(weight).reshape(hidden, 1), transposed(grad_out))
+  dx = jnp.swapaxes(dx_t.reshape(*lead, hidden, seq), -1, -2).astype(x.dtype)
+  return dx, jnp.sum(dw_partial, axis=(0, 1, 3)).astype(weight.dtype)
+
+
 def rms_norm_backward(x, weight, grad_out, grad_residual=None, *,
                       config: RmsNormConfig = RmsNormConfig()):
   """Backward kernel.
@@ -398,6 +456,11 @@ def rms_norm_backward(x, weight, grad_out, grad_residual=None, *,
   if rows == 0:
     return jnp.zeros_like(x), jnp.zeros_like(weight)
 
+  if not has_residual_grad and x.ndim >= 2:
+    columns = column_backward_tiling(x.shape[-2], hidden, _kernel_dtype(x.dtype),
+                                     _kernel_dtype(grad_out.dtype), config)
+    if columns is not None:
+      return _backward_on_columns(x, weight, grad_out, columns, config)
   tiling = backward_tiling(rows, hidden, _kernel_dtype(x.dtype),
                            _kernel_dtype(grad_out.dtype), has_residual_grad, config)
   num_blocks = pl.cdiv(rows, tiling.block_rows)
