@@ -32,9 +32,9 @@ The weight gradient is reduced in two stages so that the row axis stays
 its block's column sums to its own (1, hidden) slot of an f32 array of shape
 (num_blocks, 1, hidden), and XLA sums the slots.
 
-Narrow rows, forward. A row narrower than 128 fills part of a lane tile, and the TPU
-stores most [rows, hidden] arrays of such rows column-major (`vmem.prefers_column_major`:
-[196608, 64] does, [8, 64] does not). There the plain forward runs on the transpose of
+Narrow rows. A row narrower than 128 fills part of a lane tile, and the TPU stores most
+[rows, hidden] arrays of such rows column-major (`vmem.prefers_column_major`: [196608, 64]
+does, [8, 64] does not). There the plain forward runs on the transpose of
 x's last two axes: x (..., seq, hidden) read as (slabs, hidden, seq), a free view of that
 layout; grid (slabs, cdiv(seq, block)) over blocks (hidden, block), block a multiple of 128
 (or all of seq), the weight one (hidden, 1) block, and a row's mean square is a reduction
@@ -76,8 +76,9 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Beyond this, bigger blocks buy nothing for a memory-bound kernel (the per-step
 # overhead is already amortised) and only delay the start of the pipeline.
 MAX_BLOCK_ROWS = 1024
-# The lane-block cap of the narrow-row forward (`column_tiling`): 8192 rows of 64 in bf16
-# are 1 MiB per block, as much as 1024 rows of 512.
+# The lane-block cap of the narrow-row kernels (`column_tiling`): 8192 rows of 64 in bf16
+# are 1 MiB per block, as much as 1024 rows of 512 (4096 and 16384 estimate no better at
+# SD3.5's [196608, 64] and [15984, 64]).
 MAX_BLOCK_COLUMNS = 8192
 # f32 full-block temporaries live at once in the kernel bodies (counted generously:
 # the compiler may keep x, x*x, the product and casts around together).
